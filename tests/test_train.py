@@ -1,0 +1,423 @@
+"""train.py: TTT math against a step-by-step reference, and the promises of the training loop
+(exact resume after a kill, 1 vs 2 processes, online vs offline, clear errors). Everything runs
+on tiny random Llama targets in fp32; data sets are written in generate.py's on-disk format."""
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, make_tiny_target
+
+import train
+from model import Eagle3Draft, config_from_target
+
+V, VD, LAYERS = 64, 48, 8
+FP32 = ["--dtype", "float32", "--target-dtype", "float32", "--hidden-dtype", "float32",
+        "--no-progress", "--threads", "1"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixtures: a tiny target saved with a tokenizer, and data sets in generate.py's format
+
+def save_tiny_target(path, max_positions=512):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+    model = make_tiny_target(vocab_size=V, layers=LAYERS, max_positions=max_positions)
+    model.save_pretrained(path)
+    t = Tokenizer(WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    t.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="t0").save_pretrained(path)
+    return str(path)
+
+
+def tokenizer_hash(target_dir):
+    from transformers import AutoTokenizer
+    h = train.tokenizer_hash(AutoTokenizer.from_pretrained(target_dir))
+    return h if h is not None else "no-hash"
+
+
+def build_data(d, target_dir, n=12, seed=0, hidden=True, lengths=(12, 40), per_shard=5):
+    """Random sequences with a prompt part (loss mask 0) and a response part (1), the most
+    frequent response tokens as draft vocab, and target hidden states in shards."""
+    from safetensors.torch import save_file
+    from common import load_target
+    os.makedirs(os.path.join(d, "hidden"), exist_ok=True)
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(n):
+        T = rng.randint(*lengths)
+        p = rng.randint(2, T // 2)
+        seqs.append({"input_ids": [rng.randrange(V) for _ in range(T)],
+                     "loss_mask": [0] * p + [1] * (T - p)})
+    counts = torch.zeros(V, dtype=torch.long)
+    for s in seqs:
+        for x, m in zip(s["input_ids"], s["loss_mask"]):
+            counts[x] += m
+    draft_ids = counts.topk(VD).indices.sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    save_file({"draft_ids": draft_ids, "d2t": draft_ids - torch.arange(VD), "t2d": t2d,
+               "counts": counts}, os.path.join(d, "vocab.safetensors"))
+    with open(os.path.join(d, "sequences.jsonl"), "w") as f:
+        for s in seqs:
+            f.write(json.dumps(s) + "\n")
+    layers = [1, LAYERS // 2 - 1, LAYERS - 4]
+    shards = []
+    if hidden:
+        import generate
+        target, _ = load_target(target_dir)
+        hs = generate.target_hidden_states(target, [s["input_ids"] for s in seqs], layers)
+        for start in range(0, n, per_shard):
+            end = min(n, start + per_shard)
+            name = f"hidden/shard-{len(shards):05d}.safetensors"
+            t = {}
+            for k in range(start, end):
+                t[f"aux.{k}"] = hs[k][0].float().contiguous()
+                t[f"final.{k}"] = hs[k][1].float().contiguous()
+            save_file(t, os.path.join(d, name))
+            shards.append({"file": name, "start": start, "end": end})
+    manifest = {"target": target_dir, "tokenizer_hash": tokenizer_hash(target_dir),
+                "vocab_size": V, "max_length": lengths[1], "num_sequences": n,
+                "num_tokens": sum(len(s["input_ids"]) for s in seqs),
+                "num_loss_tokens": int(counts.sum()), "draft_vocab_size": VD,
+                "coverage": float(counts[draft_ids].sum() / counts.sum()), "aux_layer_ids": layers,
+                "hidden": {"dtype": "float32", "shards": shards} if hidden else None}
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, target_dir):
+    return build_data(tmp_path_factory.mktemp("data"), target_dir)
+
+
+def run_train(args, check=True, env=None, **kw):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py")] + args
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p
+
+
+def final_state(run_dir):
+    ck = train.list_checkpoints(run_dir)[-1]
+    return torch.load(os.path.join(ck, "trainer_state.pt"), weights_only=False)
+
+
+def read_log(run_dir, split="train"):
+    with open(os.path.join(run_dir, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["split"] == split]
+
+
+# ----------------------------------------------------------------------------------------------
+# TTT math
+
+def tiny_draft(seed=0):
+    target = make_tiny_target(vocab_size=V, layers=LAYERS)
+    cfg = config_from_target(target.config, VD)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    with torch.no_grad():   # larger weights than the 0.02 init, so attention is far from uniform
+        for n, p in draft.named_parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, 0.3)
+    return draft.eval()
+
+
+def test_ttt_matches_step_by_step_decoding():
+    """Row t at TTT step j must equal what the draft computes at decode time: a prefill over rows
+    0..t (features fc(aux), tokens x_1..x_{t+1}, positions 0..t) into its KV cache, then j single
+    steps for that row alone with feature = the previous h2, token x_{t+j+1}, position t+j."""
+    draft = tiny_draft()
+    B, T, J = 2, 11, 4
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
+    with torch.no_grad():
+        logits, h2s = train.ttt_unroll(draft, ids, aux, J)
+        worst = 0.0
+        for b in range(B):
+            for t in range(T - 1):
+                cache = draft.new_cache(1)
+                lg, h = draft(ids[b:b + 1, 1:t + 2], draft.fuse(aux[b:b + 1, :t + 1]),
+                              torch.arange(t + 1)[None], cache)
+                lg, h = lg[0, -1], h[0, -1]
+                for j in range(J):
+                    if t + j + 1 >= T:   # no ground-truth token left for this step
+                        break
+                    if j > 0:
+                        lg, h = draft(ids[b:b + 1, t + j + 1:t + j + 2], h[None, None],
+                                      torch.tensor([[t + j]]), cache)
+                        lg, h = lg[0, -1], h[0, -1]
+                    worst = max(worst, (h2s[j][b, t] - h).abs().max().item(),
+                                (logits[j][b, t] - lg).abs().max().item())
+    assert worst < 1e-4, worst
+
+
+def test_ttt_attention_is_not_trivially_causal():
+    """Guard for the test above: the own-row keys of later steps must change the result (if the
+    diagonal terms were dropped, step j >= 1 would differ from the reference)."""
+    torch.manual_seed(0)
+    q, k0, v0 = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    k1, v1 = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with_diag = train.ttt_attention(q, k0, v0, [k1], [v1])
+    without = train.ttt_attention(q, k0, v0, [], [])
+    assert (with_diag - without).abs().max() > 1e-2
+    # and the explicit softmax equals SDPA over the same key set for one row
+    t = 3
+    keys = torch.cat([k0[:, :, :t + 1], k1[:, :, t:t + 1]], 2)
+    vals = torch.cat([v0[:, :, :t + 1], v1[:, :, t:t + 1]], 2)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, t:t + 1], keys, vals)
+    assert torch.allclose(with_diag[:, :, t:t + 1], ref, atol=1e-5)
+
+
+def test_target_side_and_masks():
+    torch.manual_seed(0)
+    W = torch.randn(10, 4)
+    final = torch.randn(1, 6, 4)
+    draft_ids = torch.tensor([1, 3, 4, 8])
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[draft_ids] = True
+    logp, inv = train.target_side(final, W, draft_ids, t2d, chunk=4)
+    full = final @ W.T
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(1, 6))
+    assert torch.allclose(logp, torch.log_softmax(full[..., draft_ids], -1), atol=1e-6)
+    assert torch.equal(inv, t2d[full.argmax(-1)])
+    # valid[j][t] = loss mask at t+j+2 and in-vocab argmax at t+j+1
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    inv = torch.tensor([[1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    v = train.valid_rows(mask, inv, 3)
+    assert v[0].int().tolist() == [[1, 1, 0, 1, 0, 0]]   # t=2: argmax at 3 out of vocab
+    assert v[1].int().tolist() == [[1, 0, 1, 0, 0, 0]]
+    assert v[2].int().tolist() == [[0, 1, 0, 0, 0, 0]]
+
+
+def test_metrics_accept_length():
+    stats = torch.tensor([[1.0, 2.0, 3.0], [8.0, 4.0, 2.0], [10.0, 8.0, 4.0]])
+    m = train.metrics(stats, torch.tensor([12.0, 12.0]))
+    assert m["acc_j"] == [0.8, 0.5, 0.5]
+    assert abs(m["accept_len_3"] - (1 + 0.8 + 0.4 + 0.2)) < 1e-9
+    assert abs(m["chain_accept_3"] - 2.2) < 1e-9
+
+
+def test_batches_cover_each_epoch_once():
+    ids = list(range(100, 110))
+    seen = [k for s in range(5) for k in train.batch_indices(ids, s, 2, seed=3)[0]]
+    assert sorted(seen) == ids
+    assert train.batch_indices(ids, 5, 2, 3)[1] == {"epoch": 1, "batch_in_epoch": 0}
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+def test_offline_run_exports_loadable_draft_and_learns(tmp_path, data_dir, target_dir):
+    out = str(tmp_path / "run")
+    p = run_train(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2",
+                   "--max-steps", "12", "--lr", "3e-3", "--ttt-length", "3", "--save-every", "5",
+                   "--eval-every", "6", "--log-every", "2", "--keep", "2"] + FP32)
+    ck = train.list_checkpoints(out)
+    assert [os.path.basename(c) for c in ck] == ["step-000010", "step-000012"]   # keep 2
+    train_log, eval_log = read_log(out), read_log(out, "eval")
+    assert len(train_log) == 6 and len(eval_log) == 2
+    r = train_log[-1]
+    for k in ("loss", "loss_j", "acc_j", "accept_len_3", "accept_len_full", "lr",
+              "tokens_per_s", "data_wait"):
+        assert k in r
+    assert len(r["acc_j"]) == 3 and 1.0 <= r["accept_len_3"] <= 4.0
+    assert train_log[-1]["loss"] < train_log[0]["loss"]
+    assert os.path.getsize(os.path.join(out, "curves.png")) > 1000
+    from common import load_target
+    from model import load_draft_for
+    target, _ = load_target(target_dir)
+    draft = load_draft_for(ck[-1], target)           # strict: every SGLang name present
+    st = final_state(out)
+    assert torch.allclose(draft.lm_head.weight.float(), st["model"]["lm_head.weight"], atol=1e-2)
+    assert torch.equal(draft.draft_ids, st["draft_ids"])
+
+
+def interrupted_equals_uninterrupted(tmp_path, data_dir, how):
+    common = ["--data", data_dir, "--offline", "--batch-size", "2", "--max-steps", "40",
+              "--lr", "1e-3", "--ttt-length", "3", "--save-every", "3", "--eval-every", "1000",
+              "--log-every", "5"] + FP32
+    ref = str(tmp_path / "ref")
+    run_train(common + ["--out", ref])
+    out = str(tmp_path / how)
+    proc = subprocess.Popen([sys.executable, "train.py", "--out", out] + common, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not os.path.exists(os.path.join(out, "checkpoints", "step-000003")):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (-9 if how == "kill" else 130), err
+    stopped = int(os.path.basename(train.list_checkpoints(out)[-1])[5:])
+    assert stopped < 40, "the run finished before it could be interrupted"
+    if how == "interrupt":
+        assert "interrupted: saved" in err
+    p = run_train(common + ["--out", out, "--resume"])
+    assert f"resumed from" in p.stderr
+    a, b = final_state(ref), final_state(out)
+    assert a["step"] == b["step"] == 40
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    la, lb = read_log(ref), read_log(out)
+    assert [r["step"] for r in la] == [r["step"] for r in lb]
+
+
+def test_kill_and_resume_gives_identical_weights(tmp_path, data_dir):
+    interrupted_equals_uninterrupted(tmp_path, data_dir, "kill")
+
+
+def test_ctrl_c_saves_and_resume_gives_identical_weights(tmp_path, data_dir):
+    interrupted_equals_uninterrupted(tmp_path, data_dir, "interrupt")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path, data_dir):
+    common = ["--data", data_dir, "--offline", "--batch-size", "4", "--max-steps", "4",
+              "--lr", "1e-3", "--ttt-length", "3", "--eval-every", "2", "--log-every", "1"] + FP32
+    one = str(tmp_path / "one")
+    run_train(common + ["--out", one])
+    two = str(tmp_path / "two")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "train.py", "--out", two] + common
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = final_state(one), final_state(two)
+    for k in a["model"]:
+        assert torch.allclose(a["model"][k], b["model"][k], atol=1e-5, rtol=1e-4), k
+    for ra, rb in zip(read_log(one) + read_log(one, "eval"), read_log(two) + read_log(two, "eval")):
+        assert abs(ra["loss"] - rb["loss"]) < 1e-4 * max(1, ra["loss"])
+        assert ra["acc_j"] == rb["acc_j"] and ra["rows"] == rb["rows"]
+
+
+def test_online_matches_offline(tmp_path, data_dir):
+    common = ["--data", data_dir, "--batch-size", "2", "--max-steps", "5", "--lr", "1e-3",
+              "--ttt-length", "3", "--eval-every", "5", "--log-every", "1"] + FP32
+    off, on = str(tmp_path / "off"), str(tmp_path / "on")
+    run_train(common + ["--out", off, "--offline"])
+    run_train(common + ["--out", on, "--prefetch", "2"])
+    for ra, rb in zip(read_log(off) + read_log(off, "eval"), read_log(on) + read_log(on, "eval")):
+        assert ra["rows"] == rb["rows"] and ra["tokens"] == rb["tokens"]
+        assert abs(ra["loss"] - rb["loss"]) < 1e-4 * max(1, ra["loss"])
+    a, b = final_state(off), final_state(on)
+    for k in a["model"]:
+        assert torch.allclose(a["model"][k], b["model"][k], atol=1e-5, rtol=1e-4), k
+    assert all("data_wait" in r for r in read_log(on))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, nothing written
+
+def edit_json(path, **changes):
+    with open(path) as f:
+        d = json.load(f)
+    d.update(changes)
+    with open(path, "w") as f:
+        json.dump(d, f)
+
+
+def expect_error(args, pattern):
+    p = run_train(args + FP32, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    assert lines[-1].startswith("error:") and pattern in lines[-1], p.stderr[-2000:]
+    return lines[-1]
+
+
+def test_bad_inputs(tmp_path, target_dir, data_dir):
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    def copy(name):
+        d = str(tmp_path / name)
+        shutil.copytree(data_dir, d)
+        return d
+
+    out = str(tmp_path / "out")
+    base = ["--out", out, "--offline", "--batch-size", "2", "--max-steps", "2"]
+    d = copy("tok")
+    edit_json(os.path.join(d, "manifest.json"), tokenizer_hash="0123456789abcdef")
+    expect_error(["--data", d] + base, "another tokenizer")
+    d = copy("vocabsize")
+    edit_json(os.path.join(d, "manifest.json"), vocab_size=V + 1)
+    expect_error(["--data", d] + base, "vocabulary")
+    d = copy("othertarget")
+    expect_error(["--data", d, "--target", str(tmp_path / "elsewhere")] + base, "was made with target")
+    d = copy("d2t")
+    v = load_file(os.path.join(d, "vocab.safetensors"))
+    v["d2t"][3] += 1
+    save_file(v, os.path.join(d, "vocab.safetensors"))
+    expect_error(["--data", d] + base, "vocab map")
+    d = copy("empty")
+    open(os.path.join(d, "sequences.jsonl"), "w").close()
+    expect_error(["--data", d] + base, "no sequences")
+    d = copy("nohidden")
+    edit_json(os.path.join(d, "manifest.json"), hidden=None)
+    expect_error(["--data", d] + base, "no stored hidden states")
+    expect_error(["--data", str(tmp_path / "missing")] + base, "no such directory")
+    expect_error(["--data", data_dir] + base + ["--resume"], "no checkpoint")
+    assert not train.list_checkpoints(out)
+
+
+def test_bad_vocab_for_init_draft(tmp_path, target_dir, data_dir):
+    from common import load_target
+    target, _ = load_target(target_dir)
+    cfg = config_from_target(target.config, VD, [1, 3, 4])
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    draft.set_vocab(torch.arange(VD))    # not the data's vocab
+    draft.save_pretrained(str(tmp_path / "other"))
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "o"), "--offline",
+                  "--init", str(tmp_path / "other")], "draft vocabulary")
+
+
+def test_sequence_longer_than_draft_positions(tmp_path):
+    tdir = save_tiny_target(tmp_path / "short_target", max_positions=32)
+    d = build_data(tmp_path / "long", tdir, n=4, lengths=(30, 40), hidden=False)
+    expect_error(["--data", d, "--out", str(tmp_path / "o")], "max_position_embeddings 32")
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    d = str(tmp_path / "nan")
+    shutil.copytree(data_dir, d)
+    # poison one sequence; find the step whose batch holds it
+    m = json.load(open(os.path.join(d, "manifest.json")))
+    seqs = [json.loads(l) for l in open(os.path.join(d, "sequences.jsonl"))]
+    train_ids, _ = train.split_data(len(seqs), 0.05, 1, 0)
+    step = 3
+    k = train.batch_indices(train_ids, step, 2, 0)[0][0]
+    shard = next(s for s in m["hidden"]["shards"] if s["start"] <= k < s["end"])
+    t = load_file(os.path.join(d, shard["file"]))
+    t[f"aux.{k}"][:] = float("nan")
+    save_file(t, os.path.join(d, shard["file"]))
+    out = str(tmp_path / "run")
+    line = expect_error(["--data", d, "--out", out, "--offline", "--batch-size", "2",
+                         "--max-steps", "6", "--save-every", "2"], f"step {step}")
+    assert str(k) in line and "step-000002" in line
+    assert [os.path.basename(c) for c in train.list_checkpoints(out)] == ["step-000002"]
+    st = final_state(out)
+    assert all(torch.isfinite(v).all() for v in st["model"].values() if v.is_floating_point())

@@ -1,0 +1,926 @@
+"""
+Train an EAGLE-3 draft head with training-time test (TTT), sharded with FSDP2.
+
+    python train.py --data DIR --out runs/NAME [--offline] [--ttt-length 7] [--batch-size 8]
+        [--epochs 1 | --max-steps N] [--lr 1e-4] [--dtype bfloat16] [--resume]
+    torchrun --nproc_per_node N train.py ...          # data parallel, same results at the same batch
+
+DIR is a data set written by generate.py (manifest.json, sequences.jsonl, vocab.safetensors and,
+for --offline, hidden/shard-*.safetensors). Online (the default) a producer process runs the target
+next to the trainer and hands its hidden states over through a bounded queue.
+
+The math, for one sequence x_0 .. x_{T-1} with target features h_t (three target layers, concat):
+
+  row t at TTT step j  =  feature g_j[t], token x_{t+j+1}, RoPE position t + j
+      g_0[t] = fc(h_t)                      g_j[t] = h2_{j-1}[t]  (the previous step's pre-norm out)
+  it predicts x_{t+j+2}, supervised by the target's distribution at position t+j+1:
+      p_j[t] = softmax(target_lm_head(final_{t+j+1}) restricted to the draft vocab)
+  and it attends to the step-0 keys of rows 0..t (causal) plus its OWN keys of steps 1..j, which is
+  exactly what the draft's KV cache holds when it drafts j tokens past row t at decode time.
+
+  loss = sum_j 0.8**j * mean over valid rows of  -sum_v p_j[t, v] log q_j[t, v]
+  valid_j[t]: x_{t+j+2} is a loss token (assistant) and argmax of the target at t+j+1 is in the
+              draft vocab (the draft could never propose it otherwise)
+  acc_j: share of valid rows where argmax q_j == argmax p_j
+  simulated accept length of a chain of k drafts: 1 + sum_{m<k} prod_{i<=m} acc_i
+
+The run directory holds log.jsonl, curves.png and checkpoints/step-NNNNNN/ (config.json +
+model.safetensors, which SGLang and speculate.py load directly, plus trainer_state.pt for --resume).
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common import UserError, run_main
+
+LOSS_DECAY = 0.8   # weight of TTT step j is 0.8**j
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: the generate.py directory
+
+def read_data(path):
+    """(manifest, sequences, vocab) of a data directory, checked for the mistakes that would
+    otherwise surface as a shape error deep inside a training step."""
+    from safetensors.torch import load_file
+    if not os.path.isdir(path):
+        raise UserError(f"--data {path}: no such directory")
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.exists(mpath):
+        raise UserError(f"--data {path}: no manifest.json; write the data set with generate.py")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{mpath}: not valid JSON ({e})")
+    need = ["target", "tokenizer_hash", "vocab_size", "draft_vocab_size", "aux_layer_ids"]
+    missing = [k for k in need if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise UserError(f"{mpath}: missing {', '.join(missing)}; not a generate.py manifest")
+    seqs = []
+    spath = os.path.join(path, "sequences.jsonl")
+    if not os.path.exists(spath):
+        raise UserError(f"--data {path}: no sequences.jsonl")
+    with open(spath) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                s = json.loads(line)
+                ids, mask = s["input_ids"], s["loss_mask"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"{spath}:{n}: expected {{\"input_ids\": [...], \"loss_mask\": [...]}}")
+            if len(ids) != len(mask):
+                raise UserError(f"{spath}:{n}: input_ids has {len(ids)} tokens, loss_mask {len(mask)}")
+            seqs.append({"input_ids": ids, "loss_mask": mask})
+    V, Vd = manifest["vocab_size"], manifest["draft_vocab_size"]
+    vpath = os.path.join(path, "vocab.safetensors")
+    if not os.path.exists(vpath):
+        raise UserError(f"--data {path}: no vocab.safetensors")
+    try:
+        vocab = load_file(vpath)
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise UserError(f"{vpath}: unreadable ({str(e).splitlines()[0]})")
+    ids = vocab.get("draft_ids")
+    if ids is None or ids.dim() != 1 or ids.numel() != Vd:
+        raise UserError(f"{vpath}: draft_ids must hold the manifest's draft_vocab_size {Vd} ids")
+    ids = ids.long()
+    ok = bool((ids[1:] > ids[:-1]).all()) and int(ids.min()) >= 0 and int(ids.max()) < V
+    if "d2t" in vocab:
+        ok = ok and torch.equal(vocab["d2t"].long(), ids - torch.arange(Vd))
+    if "t2d" in vocab:
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[ids.clamp(0, V - 1)] = True
+        ok = ok and vocab["t2d"].numel() == V and torch.equal(vocab["t2d"].bool(), t2d)
+    if not ok:
+        raise UserError(f"{vpath}: draft_ids/d2t/t2d are not one consistent sorted vocab map "
+                        f"into the target vocabulary of {V}")
+    vocab["draft_ids"] = ids
+    return manifest, seqs, vocab
+
+
+def check_data(manifest, seqs, target, tok, target_name, data_path, max_positions):
+    """The data set must come from this target and tokenizer and fit the draft."""
+    tcfg = getattr(target.config, "text_config", target.config)
+    if manifest["vocab_size"] != tcfg.vocab_size:
+        raise UserError(f"--data {data_path} was made for a vocabulary of {manifest['vocab_size']} "
+                        f"tokens; target {target_name} has {tcfg.vocab_size}")
+    h = tokenizer_hash(tok)
+    if h is not None and manifest["tokenizer_hash"] != h:
+        raise UserError(f"--data {data_path} was tokenized by another tokenizer "
+                        f"(hash {str(manifest['tokenizer_hash'])[:12]}, target {target_name}'s "
+                        f"is {h[:12]}); regenerate it for this target")
+    if not seqs:
+        raise UserError(f"--data {data_path}: sequences.jsonl holds no sequences")
+    if sum(sum(s["loss_mask"]) for s in seqs) == 0:
+        raise UserError(f"--data {data_path}: no sequence has a loss token (assistant text)")
+    for n, s in enumerate(seqs):
+        if len(s["input_ids"]) > max_positions:
+            raise UserError(f"--data {data_path}: sequence {n} has {len(s['input_ids'])} tokens, more "
+                            f"than the draft's max_position_embeddings {max_positions}")
+        if s["input_ids"] and not 0 <= min(s["input_ids"]) <= max(s["input_ids"]) < tcfg.vocab_size:
+            raise UserError(f"--data {data_path}: sequence {n} has token ids outside the target "
+                            f"vocabulary of {tcfg.vocab_size}")
+
+
+def tokenizer_hash(tok):
+    """The tokenizer fingerprint generate.py writes into the manifest (None if it has none)."""
+    try:
+        import generate
+    except ImportError:
+        return None
+    fn = getattr(generate, "tokenizer_hash", None)
+    return fn(tok) if fn is not None else None
+
+
+def split_data(n, eval_fraction, world, seed):
+    """A fixed held-out split: a seeded permutation, the first ones held out. The eval count is a
+    multiple of the world size so every rank evaluates the same number of batches."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = 0 if eval_fraction == 0 else max(1, round(n * eval_fraction))
+    n_eval = n_eval // world * world
+    if eval_fraction > 0 and n_eval == 0 and n > world:
+        n_eval = world
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def batch_indices(train_ids, step, batch_size, seed):
+    """Global batch `step`: one seeded shuffle per epoch, the last partial batch dropped. A pure
+    function of the step, so the data position of a resumed run is exact."""
+    per_epoch = len(train_ids) // batch_size
+    epoch, i = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(train_ids), generator=g)[i * batch_size:(i + 1) * batch_size]
+    return [train_ids[k] for k in perm.tolist()], {"epoch": epoch, "batch_in_epoch": i}
+
+
+def rank_share(idx, rank, world):
+    """Contiguous slice of a global batch for this rank."""
+    b = len(idx) // world
+    return idx[rank * b:(rank + 1) * b]
+
+
+class ShardReader:
+    """Random access to the offline hidden states: sequence k lives in the shard whose
+    [start, end) covers it, as aux.{k} [T, 3*Ht] and final.{k} [T, Ht]."""
+
+    def __init__(self, data_path, manifest):
+        hidden = manifest.get("hidden")
+        if not hidden or not hidden.get("shards"):
+            raise UserError(f"--data {data_path} has no stored hidden states (manifest hidden is "
+                            f"null): drop --offline to compute them online, or regenerate with them")
+        self.path, self.shards, self.open = data_path, hidden["shards"], {}
+        for s in self.shards:
+            if not os.path.exists(os.path.join(data_path, s["file"])):
+                raise UserError(f"--data {data_path}: missing hidden-state shard {s['file']}")
+
+    def get(self, k):
+        from safetensors import safe_open
+        for s in self.shards:
+            if s["start"] <= k < s["end"]:
+                if s["file"] not in self.open:
+                    self.open[s["file"]] = safe_open(os.path.join(self.path, s["file"]), "pt")
+                f = self.open[s["file"]]
+                try:
+                    return f.get_tensor(f"aux.{k}"), f.get_tensor(f"final.{k}")
+                except Exception:
+                    raise UserError(f"{s['file']}: no aux.{k}/final.{k} for sequence {k}")
+        raise UserError(f"--data {self.path}: no hidden-state shard covers sequence {k}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Online: a target producer process feeding a bounded queue
+
+def producer_main(q, target_name, target_dtype, device, seqs, jobs, layer_ids, batch_size,
+                  threads, hidden_dtype):
+    """Runs in its own process: for each job (key, sequence ids) compute the target's hidden
+    states and put (key, [(aux, final), ...]) in the queue. put() blocks when the queue is full,
+    so the producer runs at most `prefetch` batches ahead of the trainer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and ends us
+    try:
+        torch.set_num_threads(threads)
+        from common import load_target, parse_dtype
+        from generate import target_hidden_states
+        target, _ = load_target(target_name, target_dtype, device)
+        hd = parse_dtype(hidden_dtype)
+        for key, idx in jobs:
+            with torch.inference_mode():
+                hs = target_hidden_states(target, [seqs[k] for k in idx], layer_ids, batch_size)
+            q.put((key, [(a.to("cpu", hd).clone(), f.to("cpu", hd).clone()) for a, f in hs]))
+        q.put(("done", None))
+    except UserError as e:
+        q.put(("error", str(e)))
+    except Exception as e:
+        import traceback
+        q.put(("error", f"target producer failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class Online:
+    """Trainer side of the producer: get() returns the hidden states of the next job, timing the
+    wait so the log can say whether the producer keeps up."""
+
+    def __init__(self, args, seqs, jobs, layer_ids):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.q = ctx.Queue(maxsize=args.prefetch)
+        ids = [s["input_ids"] for s in seqs]
+        self.proc = ctx.Process(target=producer_main, daemon=True, args=(
+            self.q, args.target, args.target_dtype, args.device, ids, jobs, layer_ids,
+            args.producer_batch_size, args.producer_threads, args.hidden_dtype))
+        self.proc.start()
+        self.wait = 0.0
+
+    def get(self, key):
+        import queue
+        t0 = time.perf_counter()
+        while True:
+            try:
+                got, item = self.q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise UserError("the target producer process died (out of memory?)")
+        self.wait += time.perf_counter() - t0
+        if got == "error":
+            raise UserError(item)
+        assert got == key, (got, key)  # the producer follows the same job list in order
+        return item
+
+    def close(self):
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(timeout=10)
+
+
+class Offline:
+    def __init__(self, reader):
+        self.reader, self.wait = reader, 0.0
+
+    def get_ids(self, idx):
+        t0 = time.perf_counter()
+        out = [self.reader.get(k) for k in idx]
+        self.wait += time.perf_counter() - t0
+        return out
+
+    def close(self):
+        pass
+
+
+def collate(seqs, idx, hidden, device):
+    """Right-padded batch. Padding has loss mask 0, and causal attention keeps real rows from
+    ever seeing padded ones, so padding changes no real row."""
+    T = max(len(seqs[k]["input_ids"]) for k in idx)
+    B = len(idx)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    A, Ht = hidden[0][0].shape[1], hidden[0][1].shape[1]
+    aux = torch.zeros(B, T, A)
+    final = torch.zeros(B, T, Ht)
+    for b, (k, (a, f)) in enumerate(zip(idx, hidden)):
+        n = len(seqs[k]["input_ids"])
+        if a.shape[0] != n or f.shape[0] != n:
+            raise UserError(f"hidden states of sequence {k} cover {a.shape[0]} positions, "
+                            f"the sequence has {n} tokens")
+        ids[b, :n] = torch.tensor(seqs[k]["input_ids"])
+        mask[b, :n] = torch.tensor(seqs[k]["loss_mask"], dtype=torch.bool)
+        aux[b, :n] = a.float()
+        final[b, :n] = f.float()
+    return ids.to(device), mask.to(device), aux.to(device), final.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The target's side of the loss: its next-token distribution from the stored final hidden state
+
+@torch.no_grad()
+def target_side(final, lm_head_w, draft_ids, t2d, chunk=1024):
+    """final [B, T, Ht] (post-final-norm) -> log p over the draft vocab [B, T, Vd] (the target's
+    softmax restricted to the draft vocabulary and renormalised) and in_vocab [B, T] (is the
+    target's argmax over the FULL vocabulary inside the draft vocabulary). Chunked over rows so
+    the full [rows, V] logits never exist for the whole batch at once."""
+    B, T, Ht = final.shape
+    flat = final.reshape(-1, Ht).to(lm_head_w.dtype)
+    logp, inv = [], []
+    for i in range(0, flat.shape[0], chunk):
+        full = flat[i:i + chunk] @ lm_head_w.T                 # [rows, V]
+        inv.append(t2d[full.argmax(-1)])
+        logp.append(torch.log_softmax(full[:, draft_ids].float(), -1))
+    return torch.cat(logp).view(B, T, -1), torch.cat(inv).view(B, T)
+
+
+def shift_left(x, k, fill=0):
+    """x[:, t] <- x[:, t + k], the last k entries filled: row t looks k positions ahead."""
+    if k == 0:
+        return x
+    pad = torch.full_like(x[:, :k], fill)
+    return torch.cat([x[:, k:], pad], 1)
+
+
+def valid_rows(mask, in_vocab, J):
+    """valid[j][b, t] = x_{t+j+2} is a loss token and the target's argmax at t+j+1 is in the
+    draft vocabulary: the loss mask shifts left by one more each step."""
+    return torch.stack([shift_left(mask, j + 2, False) & shift_left(in_vocab, j + 1, False)
+                        for j in range(J)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Training-time test
+
+def repeat_kv(x, n):
+    """[B, nkv, T, hd] -> [B, nkv*n, T, hd]; head h reads kv head h // n (as SDPA's enable_gqa)."""
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def ttt_attention(q, k0, v0, ks, vs):
+    """TTT attention for one step j = len(ks).
+    q [B, nh, T, hd]: this step's queries; k0, v0 [B, nh, T, hd]: step-0 keys/values of all rows;
+    ks, vs: lists of j tensors [B, nh, T, hd], row t's own keys/values at steps 1..j.
+    Row t attends to k0[0..t] (causal) and to ks[i][t] for every i: the scores against the cached
+    steps are diagonals (row t with its own row t), so each costs one dot product per row instead
+    of a [T, T] matrix. Concatenated with the causal scores, one softmax over T + j keys."""
+    T = q.shape[2]
+    scale = q.shape[-1] ** -0.5
+    s0 = (q @ k0.transpose(-1, -2)) * scale                          # [B, nh, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    sd = [(q * k).sum(-1, keepdim=True) * scale for k in ks]         # j x [B, nh, T, 1]
+    p = torch.softmax(torch.cat([s0] + sd, -1).float(), -1).to(v0.dtype)
+    out = p[..., :T] @ v0
+    for i, v in enumerate(vs):
+        out = out + p[..., T + i:T + i + 1] * v
+    return out
+
+
+def ttt_unroll(draft, ids, aux, J):
+    """Run J TTT steps over a batch. Returns per-step draft logits [B, T, Vd] (a list) and h2s.
+    Step j: token x_{t+j+1}, position t+j, feature fc(aux) at j = 0 else the previous h2."""
+    B, T = ids.shape
+    attn = draft.midlayer.self_attn
+    rep = attn.nh // attn.nkv
+    pos = torch.arange(T, device=ids.device)[None].expand(B, T)
+    g = draft.fuse(aux)
+    k0 = v0 = None
+    ks, vs, logits, h2s = [], [], [], []
+    for j in range(J):
+        e = draft.embed_tokens(shift_left(ids, j + 1)).to(g.dtype)
+        cos, sin = draft.rotary(pos + j, g.dtype)
+        q, k, v = attn.project(draft.midlayer.attn_input(e, g), cos, sin)
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+        if j == 0:
+            k0, v0 = k, v
+        else:
+            ks.append(k)
+            vs.append(v)
+        o = ttt_attention(q, k0, v0, ks, vs)
+        o = attn.o_proj(o.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+        h2 = draft.midlayer.finish(g, o)
+        logits.append(draft.lm_head(draft.norm(h2)))
+        h2s.append(h2)
+        g = h2
+    return logits, h2s
+
+
+class TTTLoss(nn.Module):
+    """The unit FSDP2 shards: its forward is one TTT unroll and its loss, so FSDP's hooks gather
+    the draft's parameters around exactly this computation and reduce-scatter its gradients."""
+
+    def __init__(self, draft, ttt_length):
+        super().__init__()
+        self.draft, self.J = draft, ttt_length
+
+    def forward(self, ids, aux, targ_logp, valid, denom, scale):
+        """valid [J, B, T]; denom [J]: valid rows per step over the GLOBAL batch, so the loss is
+        the same however the batch is split over ranks; scale: world size (FSDP averages grads)."""
+        logits, _ = ttt_unroll(self.draft, ids, aux, self.J)
+        loss = 0.0
+        stats = torch.zeros(3, self.J, device=ids.device)   # ce sum, correct, valid rows
+        correct = []
+        for j, lg in enumerate(logits):
+            v = valid[j]
+            tl = shift_left(targ_logp, j + 1)
+            logq = torch.log_softmax(lg.float(), -1)
+            ce = -(tl.exp() * logq).sum(-1)                 # soft cross-entropy per row
+            ce_sum = (ce * v).sum()
+            loss = loss + LOSS_DECAY ** j * ce_sum / denom[j].clamp_min(1) * scale
+            ok = (lg.argmax(-1) == tl.argmax(-1)) & v
+            correct.append(ok)
+            stats[0, j] = ce_sum.detach()
+            stats[1, j] = ok.sum()
+            stats[2, j] = v.sum()
+        # Chain acceptance measured per row, not as a product of averages: how many leading
+        # steps are all right, for rows valid at step 0 (3 drafts, and the full unroll).
+        lead = torch.stack(correct).long().cumprod(0)        # [J, B, T]
+        chain = torch.stack([lead[:3].sum(0)[valid[0]].sum(), lead.sum(0)[valid[0]].sum()])
+        return loss, stats, chain.float()
+
+
+def metrics(stats, chain):
+    """Loss, accuracy per step and the simulated accept lengths from summed statistics."""
+    ce, correct, n = stats.tolist()
+    J = len(n)
+    acc = [c / max(m, 1) for c, m in zip(correct, n)]
+    loss_j = [c / max(m, 1) for c, m in zip(ce, n)]
+
+    def accept(k):
+        tot, prod = 1.0, 1.0
+        for a in acc[:k]:
+            prod *= a
+            tot += prod
+        return tot
+    return {"loss": sum(LOSS_DECAY ** j * loss_j[j] for j in range(J)), "loss_j": loss_j,
+            "acc_j": acc, "accept_len_3": accept(3), "accept_len_full": accept(J),
+            "chain_accept_3": 1 + chain[0].item() / max(n[0], 1),
+            "chain_accept_full": 1 + chain[1].item() / max(n[0], 1), "rows": n[0]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed setup
+
+def setup_dist(device):
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is a world of one (a HashStore,
+    no ports). gloo on CPU, nccl on GPU."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    return rank, world, device
+
+
+def all_sum(x):
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: checkpoints/step-NNNNNN/ = SGLang draft (config.json, model.safetensors) + trainer_state.pt
+
+def state_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def save_checkpoint(run_dir, step, module, opt, sched, data_pos, args, draft_cfg, draft_ids,
+                    rank, keep, export_dtype):
+    """Write checkpoints/step-N atomically: everything goes into a temporary directory that is
+    renamed into place at the end, so a kill at any moment leaves only complete checkpoints."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from model import Eagle3Draft
+    msd = get_model_state_dict(module, options=state_options(cpu_offload=True))
+    osd = get_optimizer_state_dict(module, opt, options=state_options(cpu_offload=True))
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng)
+    path = None
+    if rank == 0:
+        root = os.path.join(run_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, f"step-{step:06d}")
+        tmp = os.path.join(root, f".tmp-step-{step:06d}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        # the embedding is the target's and frozen: not part of the trainer state
+        sd = {k[len("draft."):]: v for k, v in msd.items() if k != "draft.embed_tokens.weight"}
+        torch.save({"step": step, "model": sd, "optim": osd, "sched": sched.state_dict(),
+                    "rng": rngs, "data": data_pos, "args": vars(args),
+                    "draft_ids": draft_ids.cpu()}, os.path.join(tmp, "trainer_state.pt"))
+        export = Eagle3Draft(draft_cfg)
+        export.load_state_dict(sd, strict=False)   # embedding stays zero: not exported (H == Ht)
+        export.save_pretrained(tmp, dtype=export_dtype)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def list_checkpoints(run_dir):
+    return sorted(p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step-*"))
+                  if os.path.exists(os.path.join(p, "trainer_state.pt")))
+
+
+def load_checkpoint(path, module, opt, sched, rank, world, draft_ids):
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    try:
+        st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise UserError(f"{path}: unreadable checkpoint ({str(e).splitlines()[0]})")
+    if not torch.equal(st["draft_ids"], draft_ids.cpu()):
+        raise UserError(f"{path}: the checkpoint's draft vocabulary does not match the data's "
+                        f"vocab.safetensors")
+    sd = {"draft." + k: v for k, v in st["model"].items()}
+    set_model_state_dict(module, sd, options=state_options(strict=False))
+    set_optimizer_state_dict(module, opt, st["optim"], options=state_options())
+    sched.load_state_dict(st["sched"])
+    if len(st["rng"]) == world:   # RNG streams are per rank; a different world size starts fresh
+        r = st["rng"][rank]
+        torch.set_rng_state(r["torch"])
+        random.setstate(r["python"])
+        if r.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(r["cuda"])
+    return st
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging and plots
+
+def write_plots(run_dir, log_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    train, evals = [], []
+    with open(log_path) as f:
+        for line in f:
+            r = json.loads(line)
+            (evals if r.get("split") == "eval" else train).append(r)
+    if not train and not evals:
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    if train:
+        ax[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+        J = len(train[-1]["acc_j"])
+        for j in range(J):
+            ax[1].plot([r["step"] for r in train], [r["acc_j"][j] for r in train], label=f"step {j}")
+        ax[2].plot([r["tokens"] for r in train], [r["accept_len_3"] for r in train],
+                   label="train, chain of 3")
+    if evals:
+        ax[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+        ax[2].plot([r["tokens"] for r in evals], [r["accept_len_3"] for r in evals], "o-",
+                   label="eval, chain of 3")
+        ax[2].plot([r["tokens"] for r in evals], [r["accept_len_full"] for r in evals], "s--",
+                   label="eval, full unroll")
+    ax[0].set(xlabel="step", ylabel="TTT loss", title="loss")
+    ax[1].set(xlabel="step", ylabel="accuracy", title="train accuracy per TTT step", ylim=(0, 1))
+    ax[2].set(xlabel="training tokens", ylabel="tokens per round",
+              title="simulated accept length")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = os.path.join(run_dir, ".curves.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, os.path.join(run_dir, "curves.png"))
+
+
+def truncate_log(log_path, step):
+    """On resume, drop log records a killed run wrote after its last checkpoint."""
+    if not os.path.exists(log_path):
+        return
+    with open(log_path) as f:
+        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= step]
+    with open(log_path, "w") as f:
+        f.writelines(keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="Train an EAGLE-3 draft with training-time test.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--data", required=True, help="data directory written by generate.py")
+    ap.add_argument("--out", required=True, help="run directory (log, plots, checkpoints)")
+    ap.add_argument("--target", default=None, help="target model; default: the manifest's")
+    ap.add_argument("--offline", action="store_true", help="read stored hidden states instead "
+                    "of running the target concurrently")
+    ap.add_argument("--init", default=None, help="start from this draft directory's weights")
+    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    ap.add_argument("--ttt-length", type=int, default=7)
+    ap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    ap.add_argument("--epochs", type=float, default=1.0)
+    ap.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, share of --lr")
+    ap.add_argument("--warmup", type=float, default=0.015, help="warmup share of the steps")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--grad-clip", type=float, default=0.5)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="autocast dtype of the draft's compute; weights stay fp32")
+    ap.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-fraction", type=float, default=0.05, help="held-out share of sequences")
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="save and stop at this step without changing the schedule (a planned break)")
+    # online producer
+    ap.add_argument("--target-dtype", default="bfloat16", help="producer's target dtype")
+    ap.add_argument("--hidden-dtype", default="bfloat16",
+                    help="dtype of hidden states handed over (the shards store bfloat16)")
+    ap.add_argument("--prefetch", type=int, default=4, help="batches the producer may run ahead")
+    ap.add_argument("--producer-batch-size", type=int, default=8)
+    ap.add_argument("--producer-threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="trainer torch threads")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def check_args(a):
+    for name in ("ttt_length", "batch_size", "eval_every", "save_every", "keep", "log_every",
+                 "prefetch", "producer_batch_size", "producer_threads"):
+        if getattr(a, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(a, name)}: expected >= 1")
+    if not a.lr > 0 or not math.isfinite(a.lr):
+        raise UserError(f"--lr {a.lr}: expected > 0")
+    if a.max_steps is not None and a.max_steps < 1:
+        raise UserError(f"--max-steps {a.max_steps}: expected >= 1")
+    if not 0 <= a.eval_fraction < 1:
+        raise UserError(f"--eval-fraction {a.eval_fraction}: expected in [0, 1)")
+    if not 0 <= a.warmup < 1:
+        raise UserError(f"--warmup {a.warmup}: expected in [0, 1)")
+    if a.resume and a.init:
+        raise UserError("--resume continues a run; --init starts a new one: give one of them")
+
+
+def lr_lambda(warmup, total, min_ratio):
+    """Linear warmup, then cosine from 1 to min_ratio at the last step."""
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        prog = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+    return f
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
+    from common import load_target, parse_dtype, resolve_target
+    from model import Eagle3Draft, check_fits, config_from_target, load_draft_for
+    manifest, seqs, vocab = read_data(args.data)
+    if args.target is None:
+        args.target = manifest["target"]
+    elif args.target != manifest["target"] and not same_target(args.target, manifest["target"]):
+        raise UserError(f"--data {args.data} was made with target {manifest['target']!r}, not "
+                        f"{args.target!r}: its responses and hidden states are another model's")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world, device = setup_dist(args.device)
+    if world > 1 and not args.threads:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    online = None
+    try:
+        if args.batch_size % world:
+            raise UserError(f"--batch-size {args.batch_size} must be a multiple of the "
+                            f"{world} processes")
+        # ---- the target: only its embedding, lm_head and config stay in the trainer ----
+        target, tok = load_target(args.target, "float32", "cpu")
+        cfg = config_from_target(target.config, manifest["draft_vocab_size"],
+                                 manifest["aux_layer_ids"])
+        check_fits(cfg, target.config, where=f"{args.data}/manifest.json aux_layer_ids")
+        check_data(manifest, seqs, target, tok, args.target, args.data, cfg.max_position_embeddings)
+        compute_dtype = parse_dtype(args.dtype)
+        lm_w = target.get_output_embeddings().weight.detach().to(device, compute_dtype)
+        embed = target.get_input_embeddings().weight.detach().float()
+        if args.init:
+            draft = load_draft_for(args.init, target, torch.float32)
+            if not torch.equal(draft.draft_ids.cpu(), vocab["draft_ids"]):
+                raise UserError(f"--init {args.init}: its draft vocabulary (d2t) does not match "
+                                f"{args.data}/vocab.safetensors")
+            if list(draft.config.aux_layer_ids) != list(manifest["aux_layer_ids"]):
+                raise UserError(f"--init {args.init}: captures layers {draft.config.aux_layer_ids}, "
+                                f"the data {manifest['aux_layer_ids']}")
+            cfg = draft.config
+        else:
+            torch.manual_seed(args.seed)
+            draft = Eagle3Draft(cfg, embed)
+            draft.set_vocab(vocab["draft_ids"])
+        del target
+        draft_ids = vocab["draft_ids"].to(device)
+        t2d = draft.t2d.clone().to(device)
+
+        # ---- data split and schedule ----
+        train_ids, eval_ids = split_data(len(seqs), args.eval_fraction, world, args.seed)
+        if len(train_ids) < args.batch_size:
+            raise UserError(f"--batch-size {args.batch_size} is more than the {len(train_ids)} "
+                            f"training sequences of {args.data}")
+        per_epoch = len(train_ids) // args.batch_size
+        total = args.max_steps or max(1, int(args.epochs * per_epoch))
+        warmup = int(args.warmup * total)
+
+        # ---- model, FSDP2, optimizer ----
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        module = TTTLoss(draft.to(device), args.ttt_length)
+        mesh = init_device_mesh(device.split(":")[0], (world,))
+        fully_shard(module, mesh=mesh)
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, args.min_lr_ratio))
+
+        os.makedirs(args.out, exist_ok=True)
+        log_path = os.path.join(args.out, "log.jsonl")
+        start, tokens_seen = 0, 0
+        if args.resume:
+            ck = list_checkpoints(args.out)
+            if not ck:
+                raise UserError(f"--resume: no checkpoint in {args.out}/checkpoints")
+            st = load_checkpoint(ck[-1], module, opt, sched, rank, world, vocab["draft_ids"])
+            old = st["args"]
+            for k in ("batch_size", "seed", "ttt_length", "eval_fraction"):
+                if old[k] != getattr(args, k):
+                    raise UserError(f"--resume: the run used --{k.replace('_', '-')} {old[k]}, "
+                                    f"not {getattr(args, k)}")
+            start, tokens_seen = st["step"], st["data"].get("tokens", 0)
+            if rank == 0:
+                truncate_log(log_path, start)
+                print(f"resumed from {ck[-1]} at step {start}", file=sys.stderr)
+        elif rank == 0:
+            if list_checkpoints(args.out):
+                raise UserError(f"--out {args.out} already holds checkpoints: add --resume, or "
+                                f"choose another directory")
+            open(log_path, "w").close()
+            with open(os.path.join(args.out, "args.json"), "w") as f:
+                json.dump({**vars(args), "world_size": world, "total_steps": total,
+                           "train_sequences": len(train_ids), "eval_sequences": eval_ids}, f, indent=1)
+        stop_at = min(total, args.stop_at) if args.stop_at else total
+
+        # ---- data source: the producer's job list is exactly the trainer's consumption order ----
+        my_eval = rank_share(eval_ids, rank, world)
+        eval_batches = [my_eval[i:i + args.batch_size // world]
+                        for i in range(0, len(my_eval), args.batch_size // world)]
+        if args.offline:
+            source = Offline(ShardReader(args.data, manifest))
+        else:
+            jobs = [(("eval", i), b) for i, b in enumerate(eval_batches)]
+            jobs += [(("train", s), rank_share(batch_indices(train_ids, s, args.batch_size,
+                                                             args.seed)[0], rank, world))
+                     for s in range(start, stop_at)]
+            online = source = Online(args, seqs, jobs, manifest["aux_layer_ids"])
+        # online, the producer sends the eval set first, once: keep it
+        eval_cache = {} if args.offline else {k: source.get(k) for k, _ in jobs[:len(eval_batches)]}
+
+        def hidden_for(key, idx):
+            if args.offline:
+                return source.get_ids(idx)
+            return eval_cache[key] if key[0] == "eval" else source.get(key)
+
+        autocast = torch.autocast(device.split(":")[0], dtype=compute_dtype,
+                                  enabled=compute_dtype != torch.float32)
+
+        def prepare(key, idx):
+            ids, mask, aux, final = collate(seqs, idx, hidden_for(key, idx), device)
+            with autocast:
+                targ_logp, in_vocab = target_side(final, lm_w, draft_ids, t2d)
+            valid = valid_rows(mask, in_vocab, args.ttt_length)
+            return ids, aux, targ_logp, valid
+
+        def evaluate():
+            tot = torch.zeros(3, args.ttt_length, device=device)
+            chain = torch.zeros(2, device=device)
+            with torch.no_grad():
+                for i, idx in enumerate(eval_batches):
+                    ids, aux, targ_logp, valid = prepare(("eval", i), idx)
+                    denom = all_sum(valid.sum((1, 2)).float())
+                    with autocast:
+                        _, st_, ch = module(ids, aux, targ_logp, valid, denom, float(world))
+                    tot += st_
+                    chain += ch
+            return metrics(all_sum(tot).cpu(), all_sum(chain).cpu())
+
+        # ---- Ctrl-C / SIGTERM: finish the step, save, exit (all ranks agree on when) ----
+        stop = {"flag": False}
+
+        def on_signal(sig, frame):
+            if stop["flag"]:
+                raise KeyboardInterrupt
+            stop["flag"] = True
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+        bar = None
+        if rank == 0 and not args.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, initial=start, dynamic_ncols=True, file=sys.stderr,
+                       desc="train")
+        win_stats = torch.zeros(3, args.ttt_length)
+        win_chain = torch.zeros(2)
+        win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, source.wait
+        step = start
+        last_ckpt = list_checkpoints(args.out)[-1] if start else None
+
+        def checkpoint(step):
+            data_pos = {"next_step": step, "tokens": tokens_seen,
+                        **batch_indices(train_ids, step, args.batch_size, args.seed)[1]}
+            return save_checkpoint(args.out, step, module, opt, sched, data_pos, args, cfg,
+                                   vocab["draft_ids"], rank, args.keep, parse_dtype(args.export_dtype))
+
+        def log(rec):
+            if rank == 0:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+
+        module.train()
+        while step < stop_at:
+            idx_global, _ = batch_indices(train_ids, step, args.batch_size, args.seed)
+            idx = rank_share(idx_global, rank, world)
+            ids, aux, targ_logp, valid = prepare(("train", step), idx)
+            denom = all_sum(valid.sum((1, 2)).float())
+            with autocast:
+                loss, st_, ch = module(ids, aux, targ_logp, valid, denom, float(world))
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+            bad = all_sum(torch.tensor([0.0 if torch.isfinite(loss.detach()).all() and
+                                        torch.isfinite(gnorm) else 1.0], device=device))
+            if bad.item() > 0:
+                raise UserError(f"step {step}: loss or gradient is not finite (batch of sequences "
+                                f"{idx_global}); nothing saved, the last good checkpoint is "
+                                f"{last_ckpt or 'none'}")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            step += 1
+            n_tok = all_sum(torch.tensor([float(sum(len(seqs[k]["input_ids"]) for k in idx))],
+                                         device=device)).item()
+            tokens_seen += int(n_tok)
+            win_tokens += n_tok
+            win_stats += all_sum(st_).cpu()
+            win_chain += all_sum(ch).cpu()
+            if bar is not None:
+                bar.update(1)
+            if step % args.log_every == 0 or step == stop_at:
+                m = metrics(win_stats, win_chain)
+                dt = time.perf_counter() - win_t0
+                rec = {"step": step, "split": "train", "tokens": tokens_seen,
+                       "lr": sched.get_last_lr()[0], "grad_norm": gnorm.item(), **m,
+                       "tokens_per_s": win_tokens / max(dt, 1e-9),
+                       "data_wait": (source.wait - win_wait0) / max(dt, 1e-9)}
+                log(rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_j'][0]:.2f}",
+                                    al3=f"{m['accept_len_3']:.2f}", wait=f"{rec['data_wait']:.0%}")
+                win_stats.zero_()
+                win_chain.zero_()
+                win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, source.wait
+            if eval_batches and (step % args.eval_every == 0 or step == total):
+                module.eval()
+                m = evaluate()
+                module.train()
+                log({"step": step, "split": "eval", "tokens": tokens_seen, **m})
+                if rank == 0:
+                    write_plots(args.out, log_path)
+                    msg = (f"eval step {step}: loss {m['loss']:.3f}, acc "
+                           f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
+                           f"{m['accept_len_3']:.2f} simulated, {m['chain_accept_3']:.2f} per-row")
+                    (bar.write(msg, file=sys.stderr) if bar is not None else print(msg, file=sys.stderr))
+            stopping = all_sum(torch.tensor([1.0 if stop["flag"] else 0.0], device=device)).item() > 0
+            if step % args.save_every == 0 or step == stop_at or stopping:
+                last_ckpt = checkpoint(step)
+            if stopping:
+                if rank == 0:
+                    print(f"\ninterrupted: saved {last_ckpt}; continue with --resume", file=sys.stderr)
+                if bar is not None:
+                    bar.close()
+                source.close()
+                dist.destroy_process_group()
+                sys.exit(130)
+        if bar is not None:
+            bar.close()
+        if rank == 0:
+            write_plots(args.out, log_path)
+            print(f"done: step {step}/{total}, draft in {last_ckpt or list_checkpoints(args.out)[-1]}",
+                  file=sys.stderr)
+        source.close()
+    finally:
+        if online is not None:
+            online.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def same_target(a, b):
+    """Two names for one target: equal strings, or paths that resolve to the same directory."""
+    from common import resolve_target
+    try:
+        ra, rb = resolve_target(a), resolve_target(b)
+    except UserError:
+        return False
+    return os.path.realpath(ra) == os.path.realpath(rb)
+
+
+if __name__ == "__main__":
+    run_main(main)
