@@ -145,15 +145,25 @@ def tokenizer_hash(tok):
     return fn(tok) if fn is not None else None
 
 
-def split_data(n, eval_fraction, world, seed):
-    """A fixed held-out split: a seeded permutation, the first ones held out. The eval count is a
-    multiple of the world size so every rank evaluates the same number of batches."""
+def split_data(n, eval_fraction, seed):
+    """A fixed held-out split: a seeded permutation, the first ones held out. It does not depend
+    on the number of processes, so 1 and N processes train on the same sequences."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = 0 if eval_fraction == 0 else max(1, round(n * eval_fraction))
-    n_eval = n_eval // world * world
-    if eval_fraction > 0 and n_eval == 0 and n > world:
-        n_eval = world
+    n_eval = 0 if eval_fraction == 0 or n < 2 else max(1, round(n * eval_fraction))
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def eval_batches_for(eval_ids, rank, world, per_rank):
+    """This rank's eval batches as (sequence ids, how many are real). Every rank must run the same
+    number of forwards (each one gathers FSDP shards), so short ranks repeat a sequence whose rows
+    are then masked out of every sum."""
+    mine = eval_ids[rank::world]
+    n_batches = math.ceil(math.ceil(len(eval_ids) / world) / per_rank) if eval_ids else 0
+    out = []
+    for i in range(n_batches):
+        real = mine[i * per_rank:(i + 1) * per_rank]
+        out.append((real + [eval_ids[0]] * (per_rank - len(real)), len(real)))
+    return out
 
 
 def batch_indices(train_ids, step, batch_size, seed):
@@ -203,8 +213,8 @@ class ShardReader:
 # ----------------------------------------------------------------------------------------------
 # Online: a target producer process feeding a bounded queue
 
-def producer_main(q, target_name, target_dtype, device, seqs, jobs, layer_ids, batch_size,
-                  threads, hidden_dtype):
+def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, layer_ids,
+                  batch_size, threads, hidden_dtype):
     """Runs in its own process: for each job (key, sequence ids) compute the target's hidden
     states and put (key, [(aux, final), ...]) in the queue. put() blocks when the queue is full,
     so the producer runs at most `prefetch` batches ahead of the trainer."""
@@ -220,6 +230,9 @@ def producer_main(q, target_name, target_dtype, device, seqs, jobs, layer_ids, b
                 hs = target_hidden_states(target, [seqs[k] for k in idx], layer_ids, batch_size)
             q.put((key, [(a.to("cpu", hd).clone(), f.to("cpu", hd).clone()) for a, f in hs]))
         q.put(("done", None))
+        # Tensors travel as shared-memory handles owned by this process: it must outlive the
+        # trainer's last get(), so it waits to be released instead of exiting.
+        release.wait()
     except UserError as e:
         q.put(("error", str(e)))
     except Exception as e:
@@ -235,9 +248,10 @@ class Online:
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
         self.q = ctx.Queue(maxsize=args.prefetch)
+        self.release = ctx.Event()
         ids = [s["input_ids"] for s in seqs]
         self.proc = ctx.Process(target=producer_main, daemon=True, args=(
-            self.q, args.target, args.target_dtype, args.device, ids, jobs, layer_ids,
+            self.q, self.release, args.target, args.target_dtype, args.device, ids, jobs, layer_ids,
             args.producer_batch_size, args.producer_threads, args.hidden_dtype))
         self.proc.start()
         self.wait = 0.0
@@ -259,9 +273,11 @@ class Online:
         return item
 
     def close(self):
+        self.release.set()
+        self.proc.join(timeout=5)
         if self.proc.is_alive():
             self.proc.terminate()
-        self.proc.join(timeout=10)
+            self.proc.join(timeout=10)
 
 
 class Offline:
@@ -713,7 +729,7 @@ def main(argv=None):
         t2d = draft.t2d.clone().to(device)
 
         # ---- data split and schedule ----
-        train_ids, eval_ids = split_data(len(seqs), args.eval_fraction, world, args.seed)
+        train_ids, eval_ids = split_data(len(seqs), args.eval_fraction, args.seed)
         if len(train_ids) < args.batch_size:
             raise UserError(f"--batch-size {args.batch_size} is more than the {len(train_ids)} "
                             f"training sequences of {args.data}")
@@ -759,13 +775,11 @@ def main(argv=None):
         stop_at = min(total, args.stop_at) if args.stop_at else total
 
         # ---- data source: the producer's job list is exactly the trainer's consumption order ----
-        my_eval = rank_share(eval_ids, rank, world)
-        eval_batches = [my_eval[i:i + args.batch_size // world]
-                        for i in range(0, len(my_eval), args.batch_size // world)]
+        eval_batches = eval_batches_for(eval_ids, rank, world, args.batch_size // world)
         if args.offline:
             source = Offline(ShardReader(args.data, manifest))
         else:
-            jobs = [(("eval", i), b) for i, b in enumerate(eval_batches)]
+            jobs = [(("eval", i), b) for i, (b, _) in enumerate(eval_batches)]
             jobs += [(("train", s), rank_share(batch_indices(train_ids, s, args.batch_size,
                                                              args.seed)[0], rank, world))
                      for s in range(start, stop_at)]
@@ -792,8 +806,9 @@ def main(argv=None):
             tot = torch.zeros(3, args.ttt_length, device=device)
             chain = torch.zeros(2, device=device)
             with torch.no_grad():
-                for i, idx in enumerate(eval_batches):
+                for i, (idx, real) in enumerate(eval_batches):
                     ids, aux, targ_logp, valid = prepare(("eval", i), idx)
+                    valid[:, real:] = False          # repeated filler sequences count for nothing
                     denom = all_sum(valid.sum((1, 2)).float())
                     with autocast:
                         _, st_, ch = module(ids, aux, targ_logp, valid, denom, float(world))

@@ -407,7 +407,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
     # poison one sequence; find the step whose batch holds it
     m = json.load(open(os.path.join(d, "manifest.json")))
     seqs = [json.loads(l) for l in open(os.path.join(d, "sequences.jsonl"))]
-    train_ids, _ = train.split_data(len(seqs), 0.05, 1, 0)
+    train_ids, _ = train.split_data(len(seqs), 0.05, 0)
     step = 3
     k = train.batch_indices(train_ids, step, 2, 0)[0][0]
     shard = next(s for s in m["hidden"]["shards"] if s["start"] <= k < s["end"])
