@@ -52,61 +52,27 @@ LOSS_DECAY = 0.8   # weight of TTT step j is 0.8**j
 # Data: the generate.py directory
 
 def read_data(path):
-    """(manifest, sequences, vocab) of a data directory, checked for the mistakes that would
-    otherwise surface as a shape error deep inside a training step."""
-    from safetensors.torch import load_file
+    """(manifest, sequences, vocab) of a generate.py directory (generate.load_dataset_dir checks
+    files and shapes), plus the checks training needs: a consistent vocab map and the manifest
+    fields used below."""
+    from generate import load_dataset_dir
     if not os.path.isdir(path):
         raise UserError(f"--data {path}: no such directory")
-    mpath = os.path.join(path, "manifest.json")
-    if not os.path.exists(mpath):
-        raise UserError(f"--data {path}: no manifest.json; write the data set with generate.py")
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{mpath}: not valid JSON ({e})")
+    manifest, seqs, vocab = load_dataset_dir(path)
     need = ["target", "tokenizer_hash", "vocab_size", "draft_vocab_size", "aux_layer_ids"]
-    missing = [k for k in need if not isinstance(manifest, dict) or k not in manifest]
+    missing = [k for k in need if k not in manifest]
     if missing:
-        raise UserError(f"{mpath}: missing {', '.join(missing)}; not a generate.py manifest")
-    seqs = []
-    spath = os.path.join(path, "sequences.jsonl")
-    if not os.path.exists(spath):
-        raise UserError(f"--data {path}: no sequences.jsonl")
-    with open(spath) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                s = json.loads(line)
-                ids, mask = s["input_ids"], s["loss_mask"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"{spath}:{n}: expected {{\"input_ids\": [...], \"loss_mask\": [...]}}")
-            if len(ids) != len(mask):
-                raise UserError(f"{spath}:{n}: input_ids has {len(ids)} tokens, loss_mask {len(mask)}")
-            seqs.append({"input_ids": ids, "loss_mask": mask})
+        raise UserError(f"{path}/manifest.json: missing {', '.join(missing)}; re-run generate.py")
     V, Vd = manifest["vocab_size"], manifest["draft_vocab_size"]
-    vpath = os.path.join(path, "vocab.safetensors")
-    if not os.path.exists(vpath):
-        raise UserError(f"--data {path}: no vocab.safetensors")
-    try:
-        vocab = load_file(vpath)
-    except Exception as e:  # safetensors raises several types for a damaged file
-        raise UserError(f"{vpath}: unreadable ({str(e).splitlines()[0]})")
-    ids = vocab.get("draft_ids")
-    if ids is None or ids.dim() != 1 or ids.numel() != Vd:
-        raise UserError(f"{vpath}: draft_ids must hold the manifest's draft_vocab_size {Vd} ids")
-    ids = ids.long()
-    ok = bool((ids[1:] > ids[:-1]).all()) and int(ids.min()) >= 0 and int(ids.max()) < V
-    if "d2t" in vocab:
-        ok = ok and torch.equal(vocab["d2t"].long(), ids - torch.arange(Vd))
-    if "t2d" in vocab:
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[ids.clamp(0, V - 1)] = True
-        ok = ok and vocab["t2d"].numel() == V and torch.equal(vocab["t2d"].bool(), t2d)
+    ids = vocab["draft_ids"].long()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids.clamp(0, V - 1)] = True
+    ok = (bool((ids[1:] > ids[:-1]).all()) and int(ids.min()) >= 0 and int(ids.max()) < V
+          and torch.equal(vocab["d2t"].long(), ids - torch.arange(Vd))
+          and torch.equal(vocab["t2d"].bool(), t2d))
     if not ok:
-        raise UserError(f"{vpath}: draft_ids/d2t/t2d are not one consistent sorted vocab map "
-                        f"into the target vocabulary of {V}")
+        raise UserError(f"{path}/vocab.safetensors: draft_ids/d2t/t2d are not one consistent "
+                        f"vocab map (sorted ids, d2t = id - index, t2d = membership)")
     vocab["draft_ids"] = ids
     return manifest, seqs, vocab
 
@@ -117,8 +83,9 @@ def check_data(manifest, seqs, target, tok, target_name, data_path, max_position
     if manifest["vocab_size"] != tcfg.vocab_size:
         raise UserError(f"--data {data_path} was made for a vocabulary of {manifest['vocab_size']} "
                         f"tokens; target {target_name} has {tcfg.vocab_size}")
+    from generate import tokenizer_hash
     h = tokenizer_hash(tok)
-    if h is not None and manifest["tokenizer_hash"] != h:
+    if manifest["tokenizer_hash"] != h:
         raise UserError(f"--data {data_path} was tokenized by another tokenizer "
                         f"(hash {str(manifest['tokenizer_hash'])[:12]}, target {target_name}'s "
                         f"is {h[:12]}); regenerate it for this target")
@@ -133,16 +100,6 @@ def check_data(manifest, seqs, target, tok, target_name, data_path, max_position
         if s["input_ids"] and not 0 <= min(s["input_ids"]) <= max(s["input_ids"]) < tcfg.vocab_size:
             raise UserError(f"--data {data_path}: sequence {n} has token ids outside the target "
                             f"vocabulary of {tcfg.vocab_size}")
-
-
-def tokenizer_hash(tok):
-    """The tokenizer fingerprint generate.py writes into the manifest (None if it has none)."""
-    try:
-        import generate
-    except ImportError:
-        return None
-    fn = getattr(generate, "tokenizer_hash", None)
-    return fn(tok) if fn is not None else None
 
 
 def split_data(n, eval_fraction, seed):
@@ -182,32 +139,12 @@ def rank_share(idx, rank, world):
     return idx[rank * b:(rank + 1) * b]
 
 
-class ShardReader:
-    """Random access to the offline hidden states: sequence k lives in the shard whose
-    [start, end) covers it, as aux.{k} [T, 3*Ht] and final.{k} [T, Ht]."""
-
-    def __init__(self, data_path, manifest):
-        hidden = manifest.get("hidden")
-        if not hidden or not hidden.get("shards"):
-            raise UserError(f"--data {data_path} has no stored hidden states (manifest hidden is "
-                            f"null): drop --offline to compute them online, or regenerate with them")
-        self.path, self.shards, self.open = data_path, hidden["shards"], {}
-        for s in self.shards:
-            if not os.path.exists(os.path.join(data_path, s["file"])):
-                raise UserError(f"--data {data_path}: missing hidden-state shard {s['file']}")
-
-    def get(self, k):
-        from safetensors import safe_open
-        for s in self.shards:
-            if s["start"] <= k < s["end"]:
-                if s["file"] not in self.open:
-                    self.open[s["file"]] = safe_open(os.path.join(self.path, s["file"]), "pt")
-                f = self.open[s["file"]]
-                try:
-                    return f.get_tensor(f"aux.{k}"), f.get_tensor(f"final.{k}")
-                except Exception:
-                    raise UserError(f"{s['file']}: no aux.{k}/final.{k} for sequence {k}")
-        raise UserError(f"--data {self.path}: no hidden-state shard covers sequence {k}")
+def check_offline(data_path, manifest):
+    hidden = manifest.get("hidden")
+    if not hidden or not hidden.get("shards"):
+        raise UserError(f"--data {data_path} has no stored hidden states (manifest hidden is "
+                        f"null): drop --offline to compute them online, or run generate.py "
+                        f"--hidden-states")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,12 +218,16 @@ class Online:
 
 
 class Offline:
-    def __init__(self, reader):
-        self.reader, self.wait = reader, 0.0
+    """Hidden states read from generate.py's shards (aux.{k}, final.{k} of sequence k)."""
+
+    def __init__(self, data_path, manifest):
+        check_offline(data_path, manifest)
+        self.path, self.manifest, self.wait = data_path, manifest, 0.0
 
     def get_ids(self, idx):
+        from generate import hidden_states_for
         t0 = time.perf_counter()
-        out = [self.reader.get(k) for k in idx]
+        out = [hidden_states_for(self.path, self.manifest, k) for k in idx]
         self.wait += time.perf_counter() - t0
         return out
 
@@ -777,7 +718,7 @@ def main(argv=None):
         # ---- data source: the producer's job list is exactly the trainer's consumption order ----
         eval_batches = eval_batches_for(eval_ids, rank, world, args.batch_size // world)
         if args.offline:
-            source = Offline(ShardReader(args.data, manifest))
+            source = Offline(args.data, manifest)
         else:
             jobs = [(("eval", i), b) for i, (b, _) in enumerate(eval_batches)]
             jobs += [(("train", s), rank_share(batch_indices(train_ids, s, args.batch_size,

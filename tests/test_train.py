@@ -41,8 +41,8 @@ def save_tiny_target(path, max_positions=512):
 
 def tokenizer_hash(target_dir):
     from transformers import AutoTokenizer
-    h = train.tokenizer_hash(AutoTokenizer.from_pretrained(target_dir))
-    return h if h is not None else "no-hash"
+    from generate import tokenizer_hash
+    return tokenizer_hash(AutoTokenizer.from_pretrained(target_dir))
 
 
 def build_data(d, target_dir, n=12, seed=0, hidden=True, lengths=(12, 40), per_shard=5):
@@ -85,7 +85,8 @@ def build_data(d, target_dir, n=12, seed=0, hidden=True, lengths=(12, 40), per_s
                 t[f"final.{k}"] = hs[k][1].float().contiguous()
             save_file(t, os.path.join(d, name))
             shards.append({"file": name, "start": start, "end": end})
-    manifest = {"target": target_dir, "tokenizer_hash": tokenizer_hash(target_dir),
+    manifest = {"format_version": 1, "complete": True, "target": target_dir,
+                "tokenizer_hash": tokenizer_hash(target_dir),
                 "vocab_size": V, "max_length": lengths[1], "num_sequences": n,
                 "num_tokens": sum(len(s["input_ids"]) for s in seqs),
                 "num_loss_tokens": int(counts.sum()), "draft_vocab_size": VD,
@@ -361,18 +362,16 @@ def test_bad_inputs(tmp_path, target_dir, data_dir):
     d = copy("tok")
     edit_json(os.path.join(d, "manifest.json"), tokenizer_hash="0123456789abcdef")
     expect_error(["--data", d] + base, "another tokenizer")
-    d = copy("vocabsize")
-    edit_json(os.path.join(d, "manifest.json"), vocab_size=V + 1)
-    expect_error(["--data", d] + base, "vocabulary")
     d = copy("othertarget")
     expect_error(["--data", d, "--target", str(tmp_path / "elsewhere")] + base, "was made with target")
     d = copy("d2t")
     v = load_file(os.path.join(d, "vocab.safetensors"))
     v["d2t"][3] += 1
     save_file(v, os.path.join(d, "vocab.safetensors"))
-    expect_error(["--data", d] + base, "vocab map")
+    expect_error(["--data", d] + base, "consistent vocab map")
     d = copy("empty")
     open(os.path.join(d, "sequences.jsonl"), "w").close()
+    edit_json(os.path.join(d, "manifest.json"), num_sequences=0)
     expect_error(["--data", d] + base, "no sequences")
     d = copy("nohidden")
     edit_json(os.path.join(d, "manifest.json"), hidden=None)
