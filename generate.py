@@ -436,7 +436,8 @@ def fill_http(url, model_name, skeletons, max_new_tokens, temperature, top_p, co
 
 def regenerate(skeletons, path, fill, chunk):
     """Append regenerated conversations to `path` in order, `chunk` at a time. A killed run
-    keeps every whole line already written and continues after them."""
+    keeps every whole line already written and continues after them.
+    Returns (all rows, how many were made by this call)."""
     from tqdm import tqdm
     done = read_log(path)
     if len(done) > len(skeletons):
@@ -449,9 +450,9 @@ def regenerate(skeletons, path, fill, chunk):
             raise UserError(f"{path}:{k + 1}: made from another prompt than this run's prompt "
                             f"{k + 1}; use the same prompts or another --out")
     if len(done) == len(skeletons):
-        return done
+        return done, 0
+    n_done = len(done)
     bar = tqdm(total=len(skeletons), initial=len(done), desc="regenerate", unit="conv")
-    t0, tokens0 = time.time(), 0
     with open(path, "a") as f:
         for s in range(len(done), len(skeletons), chunk):
             convs = fill(skeletons[s:s + chunk], s)
@@ -460,7 +461,7 @@ def regenerate(skeletons, path, fill, chunk):
             done += rows
             bar.update(len(rows))
     bar.close()
-    return done
+    return done, len(done) - n_done
 
 
 # ----------------------------------------------------------------------------------------------
@@ -704,6 +705,11 @@ def write_hidden_shards(compute, out_dir, seqs, layer_ids, tok_hash, dtype_name,
         if not ok:
             plan.append((path, meta, start, end))
             todo += sum(len(s["input_ids"]) for s in seqs[start:end])
+    # shards left over from an earlier run with more sequences are not part of this data set
+    keep = {os.path.basename(sh["file"]) for sh in shards}
+    for name in os.listdir(hdir):
+        if name.startswith("shard-") and name.endswith(".safetensors") and name not in keep:
+            os.remove(os.path.join(hdir, name))
     if not plan:
         return shards, None
     bar = tqdm(total=todo, desc="hidden states", unit="tok")
@@ -855,7 +861,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated turn")
     ap.add_argument("--synth-temperature", type=float, default=1.0)
     ap.add_argument("--synth-top-p", type=float, default=0.95)
-    ap.add_argument("--synth-max-new-tokens", type=int, default=96)
+    ap.add_argument("--synth-max-new-tokens", type=int, default=64,
+                    help="longest synthesised prompt; longer samples are dropped as cut off")
+    ap.add_argument("--synth-batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
@@ -874,7 +882,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     for name in ("batch_size", "concurrency", "max_new_tokens", "max_length", "shard_size",
-                 "synth_max_new_tokens"):
+                 "synth_max_new_tokens", "synth_batch_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.synthesize is not None and args.synthesize < 1:
@@ -942,6 +950,8 @@ def main(argv=None):
         if args.target not in (None, "", "default"):
             raise UserError("give --prompts FILE, --dataset NAME or --synthesize N")
         args.synthesize = 200  # the embedded default target has no data set: it writes its own
+        print("no --prompts given: the default target synthesises 200 prompts (--synthesize N)",
+              file=sys.stderr)
     if convs is not None:
         if args.limit:
             convs = convs[:args.limit]
@@ -969,15 +979,12 @@ def main(argv=None):
                      "tokenizer_hash": tok_hash, "vocab_size": V, "regeneration": regen,
                      "complete": False})
     atomic_write_text(os.path.join(out, MANIFEST), json.dumps(manifest, indent=2))
-    timings = {}
 
     # --- 1. prompts
     if args.synthesize:
-        t0 = time.time()
         convs = synthesize_prompts(target, tok, args.synthesize, os.path.join(out, SYNTH_PROMPTS),
-                                   args.seed, args.batch_size, args.synth_max_new_tokens,
+                                   args.seed, args.synth_batch_size, args.synth_max_new_tokens,
                                    args.synth_temperature, args.synth_top_p, bench)
-        timings["synthesize_s"] = time.time() - t0
 
     # --- 2. regenerate
     cpath = os.path.join(out, CONVERSATIONS)
@@ -994,8 +1001,16 @@ def main(argv=None):
                                  args.temperature, args.top_p, args.concurrency)
             chunk = 4 * args.concurrency
         t0 = time.time()
-        rows = regenerate(skeletons, cpath, fill, chunk)
-        timings["regenerate_s"] = time.time() - t0
+        rows, n_new = regenerate(skeletons, cpath, fill, chunk)
+        dt = time.time() - t0
+        if n_new:
+            # answers are counted as tokens of their text (the same count the target produced,
+            # give or take a token where decoding and re-encoding differ)
+            ntok = sum(len(tok(m["content"], add_special_tokens=False)["input_ids"])
+                       for r, sk in zip(rows[-n_new:], skeletons[-n_new:])
+                       for m, hole in zip(r["messages"], sk) if hole is None)
+            print(f"regenerated {n_new} conversations, {ntok:,} answer tokens in {dt:.0f} s: "
+                  f"{ntok / max(dt, 1e-9):.1f} tok/s (batch {chunk})", file=sys.stderr)
     else:
         rows = [{"messages": c} for c in convs]
         atomic_write_jsonl(cpath, rows)

@@ -103,12 +103,17 @@ def test_hidden_states_keep_target_dtype_and_reject_bad_layers():
 @pytest.mark.skipif(not torch.cuda.is_available() or
                     __import__("importlib").util.find_spec("sglang") is None,
                     reason="the SGLang backend needs CUDA and sglang (requirements-sglang.txt)")
-def test_sglang_hidden_states_match_hf(tiny_dir):
+def test_sglang_hidden_states_match_hf(tmp_path, smol_tok):
     from common import load_target
-    target, _ = load_target(tiny_dir, dtype="bfloat16", device="cuda")
+    # head_dim 64: GPU attention kernels do not take the 8-wide heads of the CPU tiny targets
+    d = str(tmp_path / "tiny-gpu")
+    make_tiny_target(vocab_size=smol_tok.vocab_size, hidden_size=256, heads=4, kv_heads=2,
+                     layers=8, eos_token_id=2).save_pretrained(d)
+    smol_tok.save_pretrained(d)
+    target, _ = load_target(d, dtype="bfloat16", device="cuda")
     seqs = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
     ref = generate.target_hidden_states(target, seqs, [1, 3, 4])
-    runner = generate.sglang_runner(tiny_dir, "bfloat16", mem_fraction_static=0.3)
+    runner = generate.sglang_runner(d, "bfloat16", mem_fraction_static=0.3)
     got = generate.sglang_hidden_states(runner, seqs, [1, 3, 4])
     for (a, f), (ra, rf) in zip(got, ref):
         torch.testing.assert_close(a.float(), ra.float(), atol=3e-2, rtol=3e-2)
@@ -270,7 +275,8 @@ def test_regenerate_resumes_after_a_kill_and_a_torn_line(tmp_path):
         generate.regenerate(skeletons, path, fill, chunk=4)
     with open(path, "a") as f:
         f.write('{"messages": [{"role": "us')  # a torn line, as a kill mid-write would leave
-    rows = generate.regenerate(skeletons, path, fill, chunk=4)
+    rows, n_new = generate.regenerate(skeletons, path, fill, chunk=4)
+    assert n_new == 3
     assert calls == [0, 4, 4]  # the first chunk was not redone
     assert [r["messages"][1]["content"] for r in rows] == [f"aq{i}" for i in range(7)]
     assert [json.loads(l)["messages"][0]["content"] for l in open(path)] == [f"q{i}" for i in range(7)]
