@@ -468,8 +468,14 @@ def regenerate(skeletons, path, fill, chunk):
 # 3. Tokenize and mask
 
 def render(tok, messages, add_generation_prompt=False):
+    from jinja2.exceptions import TemplateError
     msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tok.apply_chat_template(msgs, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+    except TemplateError as e:  # e.g. "roles must alternate user/assistant"
+        raise UserError(f"the chat template refuses a conversation ({e}): "
+                        f"{json.dumps(msgs, ensure_ascii=False)[:200]}")
 
 
 def encode_conversation(tok, messages, max_length=None):
@@ -970,7 +976,9 @@ def main(argv=None):
     old = check_out_dir(out, args.target, tok_hash)
     regen = {"regenerate": args.regenerate, "backend": args.backend, "temperature": args.temperature,
              "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
-    if old and old.get("regeneration", regen) != regen:
+    started = os.path.exists(os.path.join(out, CONVERSATIONS)) and os.path.getsize(
+        os.path.join(out, CONVERSATIONS)) > 0  # answers written under the old settings
+    if old and started and old.get("regeneration", regen) != regen:
         raise UserError(f"--out {out}: was generated with {old['regeneration']}; resume with the "
                         f"same settings or use another --out")
     os.makedirs(out, exist_ok=True)

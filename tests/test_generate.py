@@ -149,6 +149,20 @@ def test_llama3_mask(smol_tok):
     assert tok.decode(ids[:1]) == "<|begin_of_text|>" and mask[0] == 0
 
 
+def test_template_errors_are_user_errors(smol_tok):
+    import copy
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(UserError, match="roles must alternate"):
+        generate.encode_conversation(tok, CONV)
+    # a template that rewrites earlier turns once later ones exist cannot be masked by spans
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: "
+                         "{{ m['content'] if loop.last else '...' }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(UserError, match="incrementally"):
+        generate.encode_conversation(tok, CONV)
+
+
 def test_mask_truncates_to_max_length(smol_tok):
     ids, mask = generate.encode_conversation(smol_tok, CONV)
     ids2, mask2 = generate.encode_conversation(smol_tok, CONV, max_length=len(ids) - 3)
