@@ -91,7 +91,9 @@ def resolve_target(target):
 def load_target(target=DEFAULT_TARGET, dtype="float32", device="cpu"):
     """Load (model, tokenizer) for a target name/path. The model is in eval mode, grads off."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    transformers.utils.logging.disable_progress_bar()  # per-tensor "Loading weights" bars
     path = resolve_target(target)
     try:
         tok = AutoTokenizer.from_pretrained(path)

@@ -141,12 +141,14 @@ class Stats:
     verify_time: float = 0.0
     time: float = 0.0
     new_tokens: int = 0
+    last_emitted: int = 0                          # tokens the final round emitted (<= accepted + 1)
 
     def summary(self, max_depth):
         r = max(self.rounds, 1)
         pos = [sum(a > i for a in self.accepted) / r for i in range(max_depth)]
         return {"rounds": self.rounds, "new_tokens": self.new_tokens,
                 "accept_length": (sum(self.accepted) + self.rounds) / r,
+                "accepted": self.accepted, "last_emitted": self.last_emitted,
                 "position_acceptance": pos, "draft_time": self.draft_time,
                 "verify_time": self.verify_time, "time": self.time,
                 "tokens_per_s": self.new_tokens / max(self.time, 1e-9)}
@@ -356,8 +358,10 @@ class Speculator:
             new = [tree.tokens[r] for r in path[1:]] + [bonus]
             st.rounds += 1
             st.accepted.append(len(path) - 1)
+            st.last_emitted = 0
             for tok in new:                         # never emit past a stop token or the limit
                 out.append(tok)
+                st.last_emitted += 1
                 if tok in self.stop or len(out) >= max_new_tokens:
                     break
             _sync(dev)
@@ -445,6 +449,9 @@ def main():
     if args.check and args.temperature != 0:
         raise UserError("--check compares greedy outputs: use it with --temperature 0")
     dtype = parse_dtype(args.dtype)
+    from model import read_config
+    check_spec_args(args.steps, args.topk, args.num_draft_tokens,
+                    read_config(args.draft).draft_vocab_size)
     if args.prompts:
         prompts = read_prompts(args.prompts)
     else:

@@ -1,0 +1,94 @@
+"""The command lines on the real default target: a clean run with --check, and every user mistake
+answered by one clear error line and a non-zero exit (never a traceback)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+
+def run(*args, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def default_cfg():
+    from common import resolve_target
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(resolve_target("default"))
+
+
+def make_draft(path, tcfg, **override):
+    from model import Eagle3Draft, config_from_target
+    cfg = config_from_target(tcfg, 256)
+    for k, v in override.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    Eagle3Draft(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+def assert_user_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), r.stderr[-2000:]
+    for n in needles:
+        assert n in last, last
+
+
+def test_model_cli_creates_and_describes(tmp_path):
+    r = run("model.py", "--target", "default", "--out", str(tmp_path / "d"), "--draft-vocab-size", "1024")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "parameters" in r.stdout and "[1, 14, 26]" in r.stdout
+    r = run("model.py", str(tmp_path / "d"))
+    assert r.returncode == 0 and "LlamaForCausalLMEagle3" in r.stdout and "lm_head.weight" in r.stdout
+    assert_user_error(run("model.py", "--out", str(tmp_path / "e"), "--draft-vocab-size", "0"),
+                      "--draft-vocab-size")
+
+
+def test_speculate_check_on_default_target(tmp_path, default_cfg):
+    d = make_draft(tmp_path / "d", default_cfg)
+    out = tmp_path / "r.json"
+    for extra in [[], ["--steps", "3", "--topk", "2", "--num-draft-tokens", "6"]]:
+        r = run("speculate.py", "--draft", d, "--prompt", "Name a colour.", "--max-new-tokens", "12",
+                "--dtype", "float32", "--check", "--json", str(out), *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "1/1 outputs identical" in r.stdout
+        rec = json.loads(out.read_text())
+        assert rec["summary"]["mismatches"] == 0 and len(rec["records"][0]["tokens"]) <= 12
+
+
+def test_speculate_bad_inputs(tmp_path, default_cfg):
+    good = make_draft(tmp_path / "good", default_cfg)
+    base = ["speculate.py", "--prompt", "hi", "--max-new-tokens", "4"]
+    assert_user_error(run(*base, "--draft", str(tmp_path / "missing")), "no such directory")
+    (tmp_path / "empty").mkdir()
+    assert_user_error(run(*base, "--draft", str(tmp_path / "empty")), "config.json")
+    bad_h = make_draft(tmp_path / "h", default_cfg, target_hidden_size=512)
+    assert_user_error(run(*base, "--draft", bad_h), "hidden_size")
+    bad_v = make_draft(tmp_path / "v", default_cfg, vocab_size=32000)
+    assert_user_error(run(*base, "--draft", bad_v), "vocab_size")
+    bad_l = make_draft(tmp_path / "l", default_cfg, aux_layer_ids=[1, 14, 29])
+    assert_user_error(run(*base, "--draft", bad_l), "layer")
+    corrupt = make_draft(tmp_path / "c", default_cfg)
+    with open(os.path.join(corrupt, "model.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    assert_user_error(run(*base, "--draft", corrupt), "model.safetensors")
+    assert_user_error(run(*base, "--draft", good, "--dtype", "float64"), "--dtype")
+    assert_user_error(run(*base, "--draft", good, "--topk", "0"), "--topk")
+    assert_user_error(run(*base, "--draft", good, "--num-draft-tokens", "6"), "--num-draft-tokens")
+    assert_user_error(run(*base, "--draft", good, "--topk", "2", "--num-draft-tokens", "40"),
+                      "--num-draft-tokens")
+    assert_user_error(run(*base, "--draft", good, "--temperature", "0.5", "--check"), "--check")
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    assert_user_error(run("speculate.py", "--draft", good, "--prompts", str(p)), f"{p}:2")
+    r = run(*base, "--draft", good, "--steps", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr   # argparse's own usage error
