@@ -262,18 +262,20 @@ def collate(seqs, idx, hidden, device):
 
 @torch.no_grad()
 def target_side(final, lm_head_w, draft_ids, t2d, chunk=1024):
-    """final [B, T, Ht] (post-final-norm) -> log p over the draft vocab [B, T, Vd] (the target's
-    softmax restricted to the draft vocabulary and renormalised) and in_vocab [B, T] (is the
-    target's argmax over the FULL vocabulary inside the draft vocabulary). Chunked over rows so
-    the full [rows, V] logits never exist for the whole batch at once."""
+    """final [B, T, Ht] (post-final-norm) -> the target's next-token distribution at every
+    position, over the draft vocabulary (softmax restricted to it and renormalised) as probs
+    [B*T, Vd] fp32, its argmax [B*T] as a draft id, and in_vocab [B, T]: is the target's argmax
+    over the FULL vocabulary inside the draft vocabulary. Chunked over rows so the full
+    [rows, V] logits never exist for the whole batch at once."""
     B, T, Ht = final.shape
     flat = final.reshape(-1, Ht).to(lm_head_w.dtype)
-    logp, inv = [], []
+    probs, inv = [], []
     for i in range(0, flat.shape[0], chunk):
         full = flat[i:i + chunk] @ lm_head_w.T                 # [rows, V]
         inv.append(t2d[full.argmax(-1)])
-        logp.append(torch.log_softmax(full[:, draft_ids].float(), -1))
-    return torch.cat(logp).view(B, T, -1), torch.cat(inv).view(B, T)
+        probs.append(torch.softmax(full[:, draft_ids].float(), -1))
+    probs = torch.cat(probs)
+    return probs, probs.argmax(-1), torch.cat(inv).view(B, T)
 
 
 def shift_left(x, k, fill=0):
@@ -307,12 +309,11 @@ def ttt_attention(q, k0, v0, ks, vs):
     steps are diagonals (row t with its own row t), so each costs one dot product per row instead
     of a [T, T] matrix. Concatenated with the causal scores, one softmax over T + j keys."""
     T = q.shape[2]
-    scale = q.shape[-1] ** -0.5
-    s0 = (q @ k0.transpose(-1, -2)) * scale                          # [B, nh, T, T]
+    q = q * q.shape[-1] ** -0.5
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    s0 = s0.masked_fill(~causal, float("-inf"))
-    sd = [(q * k).sum(-1, keepdim=True) * scale for k in ks]         # j x [B, nh, T, 1]
-    p = torch.softmax(torch.cat([s0] + sd, -1).float(), -1).to(v0.dtype)
+    s0 = (q @ k0.transpose(-1, -2)).masked_fill(~causal, float("-inf"))   # [B, nh, T, T]
+    sd = [(q * k).sum(-1, keepdim=True) for k in ks]                       # j x [B, nh, T, 1]
+    p = torch.softmax(torch.cat([s0] + sd, -1), -1, dtype=torch.float32).to(v0.dtype)
     out = p[..., :T] @ v0
     for i, v in enumerate(vs):
         out = out + p[..., T + i:T + i + 1] * v
@@ -320,15 +321,16 @@ def ttt_attention(q, k0, v0, ks, vs):
 
 
 def ttt_unroll(draft, ids, aux, J):
-    """Run J TTT steps over a batch. Returns per-step draft logits [B, T, Vd] (a list) and h2s.
-    Step j: token x_{t+j+1}, position t+j, feature fc(aux) at j = 0 else the previous h2."""
+    """Run J TTT steps over a batch; yields h2 [B, T, H] of each step (pre-norm: logits are
+    lm_head(norm(h2)), computed by the caller for the rows it needs).
+    Step j: token x_{t+j+1}, position t+j, feature fc(aux) at j = 0, else the previous h2."""
     B, T = ids.shape
     attn = draft.midlayer.self_attn
     rep = attn.nh // attn.nkv
     pos = torch.arange(T, device=ids.device)[None].expand(B, T)
     g = draft.fuse(aux)
     k0 = v0 = None
-    ks, vs, logits, h2s = [], [], [], []
+    ks, vs = [], []
     for j in range(J):
         e = draft.embed_tokens(shift_left(ids, j + 1)).to(g.dtype)
         cos, sin = draft.rotary(pos + j, g.dtype)
@@ -342,10 +344,8 @@ def ttt_unroll(draft, ids, aux, J):
         o = ttt_attention(q, k0, v0, ks, vs)
         o = attn.o_proj(o.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
         h2 = draft.midlayer.finish(g, o)
-        logits.append(draft.lm_head(draft.norm(h2)))
-        h2s.append(h2)
+        yield h2
         g = h2
-    return logits, h2s
 
 
 class TTTLoss(nn.Module):
@@ -356,29 +356,33 @@ class TTTLoss(nn.Module):
         super().__init__()
         self.draft, self.J = draft, ttt_length
 
-    def forward(self, ids, aux, targ_logp, valid, denom, scale):
-        """valid [J, B, T]; denom [J]: valid rows per step over the GLOBAL batch, so the loss is
-        the same however the batch is split over ranks; scale: world size (FSDP averages grads)."""
-        logits, _ = ttt_unroll(self.draft, ids, aux, self.J)
+    def forward(self, ids, aux, targ_p, targ_argmax, valid, denom, scale):
+        """targ_p [B*T, Vd], targ_argmax [B*T]: the target at every position (target_side);
+        valid [J, B, T]; denom [J]: valid rows per step over the GLOBAL batch, so the loss is the
+        same however the batch is split over ranks; scale: world size (FSDP averages gradients).
+        Only valid rows go through lm_head and the softmax: prompt rows, padding and the tail of
+        the unroll cost no vocabulary-sized work."""
+        B, T = ids.shape
         loss = 0.0
         stats = torch.zeros(3, self.J, device=ids.device)   # ce sum, correct, valid rows
-        correct = []
-        for j, lg in enumerate(logits):
-            v = valid[j]
-            tl = shift_left(targ_logp, j + 1)
-            logq = torch.log_softmax(lg.float(), -1)
-            ce = -(tl.exp() * logq).sum(-1)                 # soft cross-entropy per row
-            ce_sum = (ce * v).sum()
+        correct = torch.zeros(self.J, B * T, dtype=torch.bool, device=ids.device)
+        for j, h2 in enumerate(ttt_unroll(self.draft, ids, aux, self.J)):
+            rows = valid[j].reshape(-1).nonzero().squeeze(1)           # flat b*T + t
+            lg = self.draft.lm_head(self.draft.norm(h2.reshape(B * T, -1)[rows])).float()
+            p = targ_p[rows + j + 1]                                  # the target at t+j+1
+            # soft cross-entropy -sum p log softmax(lg) = logsumexp(lg) - p.lg, since sum p = 1
+            ce_sum = (torch.logsumexp(lg, -1) - (p * lg).sum(-1)).sum()
             loss = loss + LOSS_DECAY ** j * ce_sum / denom[j].clamp_min(1) * scale
-            ok = (lg.argmax(-1) == tl.argmax(-1)) & v
-            correct.append(ok)
+            ok = lg.argmax(-1) == targ_argmax[rows + j + 1]
+            correct[j, rows] = ok
             stats[0, j] = ce_sum.detach()
             stats[1, j] = ok.sum()
-            stats[2, j] = v.sum()
+            stats[2, j] = rows.numel()
         # Chain acceptance measured per row, not as a product of averages: how many leading
         # steps are all right, for rows valid at step 0 (3 drafts, and the full unroll).
-        lead = torch.stack(correct).long().cumprod(0)        # [J, B, T]
-        chain = torch.stack([lead[:3].sum(0)[valid[0]].sum(), lead.sum(0)[valid[0]].sum()])
+        lead = correct.long().cumprod(0)                            # [J, B*T]
+        v0 = valid[0].reshape(-1)
+        chain = torch.stack([lead[:3].sum(0)[v0].sum(), lead.sum(0)[v0].sum()])
         return loss, stats, chain.float()
 
 
@@ -739,20 +743,21 @@ def main(argv=None):
         def prepare(key, idx):
             ids, mask, aux, final = collate(seqs, idx, hidden_for(key, idx), device)
             with autocast:
-                targ_logp, in_vocab = target_side(final, lm_w, draft_ids, t2d)
+                targ_p, targ_argmax, in_vocab = target_side(final, lm_w, draft_ids, t2d)
             valid = valid_rows(mask, in_vocab, args.ttt_length)
-            return ids, aux, targ_logp, valid
+            return ids, aux, targ_p, targ_argmax, valid
 
         def evaluate():
             tot = torch.zeros(3, args.ttt_length, device=device)
             chain = torch.zeros(2, device=device)
             with torch.no_grad():
                 for i, (idx, real) in enumerate(eval_batches):
-                    ids, aux, targ_logp, valid = prepare(("eval", i), idx)
+                    ids, aux, targ_p, targ_argmax, valid = prepare(("eval", i), idx)
                     valid[:, real:] = False          # repeated filler sequences count for nothing
                     denom = all_sum(valid.sum((1, 2)).float())
                     with autocast:
-                        _, st_, ch = module(ids, aux, targ_logp, valid, denom, float(world))
+                        _, st_, ch = module(ids, aux, targ_p, targ_argmax, valid, denom,
+                                            float(world))
                     tot += st_
                     chain += ch
             return metrics(all_sum(tot).cpu(), all_sum(chain).cpu())
@@ -793,10 +798,10 @@ def main(argv=None):
         while step < stop_at:
             idx_global, _ = batch_indices(train_ids, step, args.batch_size, args.seed)
             idx = rank_share(idx_global, rank, world)
-            ids, aux, targ_logp, valid = prepare(("train", step), idx)
+            ids, aux, targ_p, targ_argmax, valid = prepare(("train", step), idx)
             denom = all_sum(valid.sum((1, 2)).float())
             with autocast:
-                loss, st_, ch = module(ids, aux, targ_logp, valid, denom, float(world))
+                loss, st_, ch = module(ids, aux, targ_p, targ_argmax, valid, denom, float(world))
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm

@@ -150,7 +150,8 @@ def test_ttt_matches_step_by_step_decoding():
     ids = torch.randint(0, V, (B, T), generator=g)
     aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
     with torch.no_grad():
-        logits, h2s = train.ttt_unroll(draft, ids, aux, J)
+        h2s = list(train.ttt_unroll(draft, ids, aux, J))
+        logits = [draft.lm_head(draft.norm(h)) for h in h2s]
         worst = 0.0
         for b in range(B):
             for t in range(T - 1):
@@ -194,10 +195,11 @@ def test_target_side_and_masks():
     draft_ids = torch.tensor([1, 3, 4, 8])
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[draft_ids] = True
-    logp, inv = train.target_side(final, W, draft_ids, t2d, chunk=4)
+    p, am, inv = train.target_side(final, W, draft_ids, t2d, chunk=4)
     full = final @ W.T
-    assert torch.allclose(logp.exp().sum(-1), torch.ones(1, 6))
-    assert torch.allclose(logp, torch.log_softmax(full[..., draft_ids], -1), atol=1e-6)
+    assert torch.allclose(p.sum(-1), torch.ones(6))
+    assert torch.allclose(p, torch.softmax(full[0][:, draft_ids], -1), atol=1e-6)
+    assert torch.equal(am, p.argmax(-1))
     assert torch.equal(inv, t2d[full.argmax(-1)])
     # valid[j][t] = loss mask at t+j+2 and in-vocab argmax at t+j+1
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]], dtype=torch.bool)
