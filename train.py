@@ -543,6 +543,21 @@ def write_plots(run_dir, log_path):
     os.replace(tmp, os.path.join(run_dir, "curves.png"))
 
 
+def write_eval_prompts(data_path, seqs, eval_ids, out_path):
+    """The held-out conversations as speculate.py --prompts input, so decode-time acceptance can
+    be measured on exactly the sequences eval's simulated accept length comes from."""
+    cpath = os.path.join(data_path, "conversations.jsonl")
+    if not eval_ids or not os.path.exists(cpath):
+        return
+    with open(cpath) as f:
+        convs = [json.loads(l) for l in f if l.strip()]
+    with open(out_path, "w") as f:
+        for k in eval_ids:
+            c = seqs[k].get("conversation", k)
+            if isinstance(c, int) and 0 <= c < len(convs):
+                f.write(json.dumps({"messages": convs[c]["messages"]}) + "\n")
+
+
 def truncate_log(log_path, step):
     """On resume, drop log records a killed run wrote after its last checkpoint."""
     if not os.path.exists(log_path):
@@ -717,6 +732,7 @@ def main(argv=None):
             with open(os.path.join(args.out, "args.json"), "w") as f:
                 json.dump({**vars(args), "world_size": world, "total_steps": total,
                            "train_sequences": len(train_ids), "eval_sequences": eval_ids}, f, indent=1)
+            write_eval_prompts(args.data, seqs, eval_ids, os.path.join(args.out, "eval_prompts.jsonl"))
         stop_at = min(total, args.stop_at) if args.stop_at else total
 
         # ---- data source: the producer's job list is exactly the trainer's consumption order ----
@@ -805,9 +821,15 @@ def main(argv=None):
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-            bad = all_sum(torch.tensor([0.0 if torch.isfinite(loss.detach()).all() and
-                                        torch.isfinite(gnorm) else 1.0], device=device))
-            if bad.item() > 0:
+            # one all-reduce for everything the ranks must agree on: step statistics, tokens,
+            # "not finite here", "Ctrl-C here"
+            J = args.ttt_length
+            flags = [float(sum(len(seqs[k]["input_ids"]) for k in idx)),
+                     0.0 if bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(gnorm)) else 1.0,
+                     1.0 if stop["flag"] else 0.0]
+            packed = all_sum(torch.cat([st_.flatten(), ch, torch.tensor(flags, device=device)])).cpu()
+            n_tok, bad, stopping = packed[-3].item(), packed[-2].item() > 0, packed[-1].item() > 0
+            if bad:
                 raise UserError(f"step {step}: loss or gradient is not finite (batch of sequences "
                                 f"{idx_global}); nothing saved, the last good checkpoint is "
                                 f"{last_ckpt or 'none'}")
@@ -815,12 +837,10 @@ def main(argv=None):
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            n_tok = all_sum(torch.tensor([float(sum(len(seqs[k]["input_ids"]) for k in idx))],
-                                         device=device)).item()
             tokens_seen += int(n_tok)
             win_tokens += n_tok
-            win_stats += all_sum(st_).cpu()
-            win_chain += all_sum(ch).cpu()
+            win_stats += packed[:3 * J].view(3, J)
+            win_chain += packed[3 * J:3 * J + 2]
             if bar is not None:
                 bar.update(1)
             if step % args.log_every == 0 or step == stop_at:
@@ -848,7 +868,6 @@ def main(argv=None):
                            f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
                            f"{m['accept_len_3']:.2f} simulated, {m['chain_accept_3']:.2f} per-row")
                     (bar.write(msg, file=sys.stderr) if bar is not None else print(msg, file=sys.stderr))
-            stopping = all_sum(torch.tensor([1.0 if stop["flag"] else 0.0], device=device)).item() > 0
             if step % args.save_every == 0 or step == stop_at or stopping:
                 last_ckpt = checkpoint(step)
             if stopping:
