@@ -676,14 +676,18 @@ def sglang_runner(model_path, dtype="bfloat16", mem_fraction_static=0.8):
                        nccl_port=port_args.nccl_port, server_args=server_args)
 
 
-def shard_meta(manifest_id, layer_ids, dtype, seqs, start, end):
-    """What a shard was made from; a re-run recomputes any shard whose metadata differs."""
+def shard_meta(tok_hash, layer_ids, dtype, seqs, start, end, source=""):
+    """What a shard was made from; a re-run recomputes any shard whose metadata differs.
+    `source` names the producer (target, its dtype, backend): states from a bf16 target are not
+    those of an fp32 one."""
     h = hashlib.sha256(json.dumps([s["input_ids"] for s in seqs[start:end]]).encode()).hexdigest()
-    return {"tokenizer_hash": manifest_id, "aux_layer_ids": json.dumps(list(layer_ids)),
-            "dtype": dtype, "start": str(start), "end": str(end), "sequences_sha256": h}
+    return {"tokenizer_hash": tok_hash, "aux_layer_ids": json.dumps(list(layer_ids)),
+            "dtype": dtype, "start": str(start), "end": str(end), "sequences_sha256": h,
+            "source": source}
 
 
-def write_hidden_shards(compute, out_dir, seqs, layer_ids, tok_hash, dtype_name, shard_size):
+def write_hidden_shards(compute, out_dir, seqs, layer_ids, tok_hash, dtype_name, shard_size,
+                        source=""):
     """Write hidden/shard-NNNNN.safetensors for every `shard_size` sequences; finished shards
     (matching metadata) are skipped. compute(list of id lists) -> [(aux, final)]."""
     from safetensors import safe_open
@@ -698,7 +702,7 @@ def write_hidden_shards(compute, out_dir, seqs, layer_ids, tok_hash, dtype_name,
     for i, start in enumerate(range(0, len(seqs), shard_size)):
         end = min(start + shard_size, len(seqs))
         name = f"{HIDDEN_DIR}/shard-{i:05d}.safetensors"
-        meta = shard_meta(tok_hash, layer_ids, dtype_name, seqs, start, end)
+        meta = shard_meta(tok_hash, layer_ids, dtype_name, seqs, start, end, source)
         shards.append({"file": name, "start": start, "end": end})
         path = os.path.join(out_dir, name)
         ok = False
@@ -1054,8 +1058,9 @@ def main(argv=None):
 
             def compute(seqs):
                 return sglang_hidden_states(runner, seqs, layer_ids, args.batch_size)
+        source = f"{args.target}|{args.dtype}|{args.backend}"
         shards, hs_rate = write_hidden_shards(compute, out, sequences, layer_ids, tok_hash,
-                                              args.hidden_dtype, args.shard_size)
+                                              args.hidden_dtype, args.shard_size, source)
         hidden = {"dtype": args.hidden_dtype, "shards": shards, "target_hidden_size": tcfg.hidden_size}
 
     num_tokens = sum(len(s["input_ids"]) for s in sequences)
