@@ -484,7 +484,8 @@ def encode_conversation(tok, messages, max_length=None):
     The assistant spans are found in TEXT, not tokens: for assistant turn i, rendering turns
     [:i] with the generation prompt ends exactly where the answer starts, and rendering [:i+1]
     ends after its end-of-turn marker (plus whitespace such as ChatML's trailing newline, which
-    the model never generates and is cut off). Token t is in the loss if its first character
+    the model never generates and is cut off; a turn marked "truncated" loses its end-of-turn
+    marker too, since the target never produced it). Token t is in the loss if its first character
     lies in such a span. This works for any template that renders incrementally (ChatML,
     Llama-3, Mistral, ...) without knowing its header strings."""
     full = render(tok, messages)
@@ -498,7 +499,14 @@ def encode_conversation(tok, messages, max_length=None):
             raise UserError("the chat template does not render conversations incrementally "
                             "(an earlier turn changes when later turns are added), so the "
                             "assistant spans cannot be located")
-        spans.append((len(before), len(upto.rstrip())))
+        end = len(upto.rstrip())
+        if m.get("truncated"):
+            # cut at --max-new-tokens: the end-of-turn marker after it is the template's, not
+            # the target's, so it stays out of the loss (the answer text itself stays in)
+            text = m["content"].strip()
+            j = upto.find(text, len(before)) if text else -1
+            end = j + len(text) if j >= 0 else len(before)
+        spans.append((len(before), end))
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = []

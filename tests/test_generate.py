@@ -136,6 +136,12 @@ def test_chatml_mask(smol_tok):
     assert ids == list(ref)
 
 
+def test_truncated_turn_has_no_end_of_turn_in_the_loss(smol_tok):
+    conv = CONV[:4] + [{"role": "assistant", "content": "Seven, for", "truncated": True}]
+    ids, mask = generate.encode_conversation(smol_tok, conv)
+    assert masked_spans(smol_tok, ids, mask) == ["Blue is a colour.<|im_end|>", "Seven, for"]
+
+
 def test_llama3_mask(smol_tok):
     import copy
     tok = copy.deepcopy(smol_tok)
