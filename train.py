@@ -23,6 +23,8 @@ The math, for one sequence x_0 .. x_{T-1} with target features h_t (three target
               draft vocab (the draft could never propose it otherwise)
   acc_j: share of valid rows where argmax q_j == argmax p_j
   simulated accept length of a chain of k drafts: 1 + sum_{m<k} prod_{i<=m} acc_i
+  replayed accept length: greedy chain decoding (3 drafts) replayed over the rows, see
+                          replay_decoding; the closer predictor of what speculate.py measures
 
 The run directory holds log.jsonl, curves.png and checkpoints/step-NNNNNN/ (config.json +
 model.safetensors, which SGLang and speculate.py load directly, plus trainer_state.pt for --resume).
@@ -361,7 +363,8 @@ class TTTLoss(nn.Module):
         valid [J, B, T]; denom [J]: valid rows per step over the GLOBAL batch, so the loss is the
         same however the batch is split over ranks; scale: world size (FSDP averages gradients).
         Only valid rows go through lm_head and the softmax: prompt rows, padding and the tail of
-        the unroll cost no vocabulary-sized work."""
+        the unroll cost no vocabulary-sized work. Returns the loss, per-step sums [3, J] (soft CE,
+        correct, valid rows) and correct [J, B*T]: which rows' argmax matched at each step."""
         B, T = ids.shape
         loss = 0.0
         stats = torch.zeros(3, self.J, device=ids.device)   # ce sum, correct, valid rows
@@ -378,22 +381,43 @@ class TTTLoss(nn.Module):
             stats[0, j] = ce_sum.detach()
             stats[1, j] = ok.sum()
             stats[2, j] = rows.numel()
-        # Chain acceptance measured per row, not as a product of averages: how many leading
-        # steps are all right, for rows valid at step 0 (3 drafts, and the full unroll).
-        lead = correct.long().cumprod(0)                            # [J, B*T]
-        v0 = valid[0].reshape(-1)
-        chain = torch.stack([lead[:3].sum(0)[v0].sum(), lead.sum(0)[v0].sum()])
-        return loss, stats, chain.float()
+        return loss, stats, correct
 
 
-def metrics(stats, chain):
+def replay_decoding(correct, mask, k=3):
+    """Replay greedy chain decoding with k drafts per round over each sequence's assistant turns,
+    from which draft steps were right at which row: a round at row t (root x_{t+1} committed)
+    accepts the leading correct steps, a, and commits a + 1 tokens (the bonus), so the next round
+    starts at row t + a + 1. A turn's first round starts at the row whose token is the turn's
+    first token (the target's prefill produced it). With target-greedy data this is what
+    speculate.py measures. The product formula assumes rounds start at random rows; real rounds
+    start right after a miss, where the next token is often hard too, so it reads high.
+    correct [J, B*T] bool, mask [B, T] loss mask -> tensor [tokens committed, rounds]."""
+    B, T = mask.shape
+    k = min(k, correct.shape[0])
+    lead = correct[:k].long().cumprod(0).sum(0).view(B, T).tolist()
+    m = mask.tolist()
+    tokens = rounds = 0
+    for b in range(B):
+        t = 0
+        while t + 2 < T:
+            if m[b][t + 1] and m[b][t + 2]:   # an assistant token to guess after the root
+                a = lead[b][t]
+                tokens, rounds = tokens + a + 1, rounds + 1
+                t += a + 1
+            else:
+                t += 1
+    return torch.tensor([float(tokens), float(rounds)])
+
+
+def metrics(stats, replay):
     """Loss, accuracy per step and the simulated accept lengths from summed statistics."""
     ce, correct, n = stats.tolist()
     J = len(n)
     acc = [c / max(m, 1) for c, m in zip(correct, n)]
     loss_j = [c / max(m, 1) for c, m in zip(ce, n)]
 
-    def accept(k):
+    def accept(k):   # 1 + sum_{m<k} prod_{i<=m} acc_i
         tot, prod = 1.0, 1.0
         for a in acc[:k]:
             prod *= a
@@ -401,8 +425,7 @@ def metrics(stats, chain):
         return tot
     return {"loss": sum(LOSS_DECAY ** j * loss_j[j] for j in range(J)), "loss_j": loss_j,
             "acc_j": acc, "accept_len_3": accept(3), "accept_len_full": accept(J),
-            "chain_accept_3": 1 + chain[0].item() / max(n[0], 1),
-            "chain_accept_full": 1 + chain[1].item() / max(n[0], 1), "rows": n[0]}
+            "replay_accept_3": replay[0].item() / max(replay[1].item(), 1), "rows": n[0]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,8 +550,8 @@ def write_plots(run_dir, log_path):
         ax[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
         ax[2].plot([r["tokens"] for r in evals], [r["accept_len_3"] for r in evals], "o-",
                    label="eval, chain of 3")
-        ax[2].plot([r["tokens"] for r in evals], [r["accept_len_full"] for r in evals], "s--",
-                   label="eval, full unroll")
+        ax[2].plot([r["tokens"] for r in evals], [r["replay_accept_3"] for r in evals], "s--",
+                   label="eval, chain of 3, decoding replayed")
     ax[0].set(xlabel="step", ylabel="TTT loss", title="loss")
     ax[1].set(xlabel="step", ylabel="accuracy", title="train accuracy per TTT step", ylim=(0, 1))
     ax[2].set(xlabel="training tokens", ylabel="tokens per round",
@@ -761,22 +784,23 @@ def main(argv=None):
             with autocast:
                 targ_p, targ_argmax, in_vocab = target_side(final, lm_w, draft_ids, t2d)
             valid = valid_rows(mask, in_vocab, args.ttt_length)
-            return ids, aux, targ_p, targ_argmax, valid
+            return ids, mask, aux, targ_p, targ_argmax, valid
 
         def evaluate():
             tot = torch.zeros(3, args.ttt_length, device=device)
-            chain = torch.zeros(2, device=device)
+            replay = torch.zeros(2, device=device)
             with torch.no_grad():
                 for i, (idx, real) in enumerate(eval_batches):
-                    ids, aux, targ_p, targ_argmax, valid = prepare(("eval", i), idx)
+                    ids, mask, aux, targ_p, targ_argmax, valid = prepare(("eval", i), idx)
                     valid[:, real:] = False          # repeated filler sequences count for nothing
+                    mask[real:] = False
                     denom = all_sum(valid.sum((1, 2)).float())
                     with autocast:
-                        _, st_, ch = module(ids, aux, targ_p, targ_argmax, valid, denom,
-                                            float(world))
+                        _, st_, correct = module(ids, aux, targ_p, targ_argmax, valid, denom,
+                                                 float(world))
                     tot += st_
-                    chain += ch
-            return metrics(all_sum(tot).cpu(), all_sum(chain).cpu())
+                    replay += replay_decoding(correct.cpu(), mask.cpu()).to(device)
+            return metrics(all_sum(tot).cpu(), all_sum(replay).cpu())
 
         # ---- Ctrl-C / SIGTERM: finish the step, save, exit (all ranks agree on when) ----
         stop = {"flag": False}
@@ -794,7 +818,7 @@ def main(argv=None):
             bar = tqdm(total=total, initial=start, dynamic_ncols=True, file=sys.stderr,
                        desc="train")
         win_stats = torch.zeros(3, args.ttt_length)
-        win_chain = torch.zeros(2)
+        win_replay = torch.zeros(2)
         win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, source.wait
         step = start
         last_ckpt = list_checkpoints(args.out)[-1] if start else None
@@ -814,10 +838,11 @@ def main(argv=None):
         while step < stop_at:
             idx_global, _ = batch_indices(train_ids, step, args.batch_size, args.seed)
             idx = rank_share(idx_global, rank, world)
-            ids, aux, targ_p, targ_argmax, valid = prepare(("train", step), idx)
+            ids, mask, aux, targ_p, targ_argmax, valid = prepare(("train", step), idx)
             denom = all_sum(valid.sum((1, 2)).float())
             with autocast:
-                loss, st_, ch = module(ids, aux, targ_p, targ_argmax, valid, denom, float(world))
+                loss, st_, correct = module(ids, aux, targ_p, targ_argmax, valid, denom, float(world))
+            ch = replay_decoding(correct.cpu(), mask.cpu()).to(device)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
@@ -840,11 +865,11 @@ def main(argv=None):
             tokens_seen += int(n_tok)
             win_tokens += n_tok
             win_stats += packed[:3 * J].view(3, J)
-            win_chain += packed[3 * J:3 * J + 2]
+            win_replay += packed[3 * J:3 * J + 2]
             if bar is not None:
                 bar.update(1)
             if step % args.log_every == 0 or step == stop_at:
-                m = metrics(win_stats, win_chain)
+                m = metrics(win_stats, win_replay)
                 dt = time.perf_counter() - win_t0
                 rec = {"step": step, "split": "train", "tokens": tokens_seen,
                        "lr": sched.get_last_lr()[0], "grad_norm": gnorm.item(), **m,
@@ -855,7 +880,7 @@ def main(argv=None):
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_j'][0]:.2f}",
                                     al3=f"{m['accept_len_3']:.2f}", wait=f"{rec['data_wait']:.0%}")
                 win_stats.zero_()
-                win_chain.zero_()
+                win_replay.zero_()
                 win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, source.wait
             if eval_batches and (step % args.eval_every == 0 or step == total):
                 module.eval()
@@ -866,7 +891,7 @@ def main(argv=None):
                     write_plots(args.out, log_path)
                     msg = (f"eval step {step}: loss {m['loss']:.3f}, acc "
                            f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
-                           f"{m['accept_len_3']:.2f} simulated, {m['chain_accept_3']:.2f} per-row")
+                           f"{m['accept_len_3']:.2f} simulated, {m['replay_accept_3']:.2f} replayed")
                     (bar.write(msg, file=sys.stderr) if bar is not None else print(msg, file=sys.stderr))
             if step % args.save_every == 0 or step == stop_at or stopping:
                 last_ckpt = checkpoint(step)

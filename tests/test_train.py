@@ -212,10 +212,23 @@ def test_target_side_and_masks():
 
 def test_metrics_accept_length():
     stats = torch.tensor([[1.0, 2.0, 3.0], [8.0, 4.0, 2.0], [10.0, 8.0, 4.0]])
-    m = train.metrics(stats, torch.tensor([12.0, 12.0]))
+    m = train.metrics(stats, torch.tensor([22.0, 10.0]))
     assert m["acc_j"] == [0.8, 0.5, 0.5]
     assert abs(m["accept_len_3"] - (1 + 0.8 + 0.4 + 0.2)) < 1e-9
-    assert abs(m["chain_accept_3"] - 2.2) < 1e-9
+    assert abs(m["replay_accept_3"] - 2.2) < 1e-9
+
+
+def test_replay_decoding_follows_rounds():
+    """Prompt x0..x2, assistant x3..x10. Rounds start at row 2 (root x3, the target's prefill
+    token); a round at row t accepting a drafts moves to row t + a + 1; row 9 would guess x11,
+    past the end, so row 8 (guessing x10) is the last round."""
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    correct = torch.zeros(3, 11, dtype=torch.bool)
+    correct[:, 2] = True                       # row 2: 3 accepted -> 4 tokens, next row 6
+    correct[0, 6] = True                       # row 6: 1 accepted (step 1 wrong) -> next row 8
+    correct[2, 8] = True                       # row 8: step 0 wrong -> 0 accepted, then row 9: end
+    tokens, rounds = train.replay_decoding(correct, mask).tolist()
+    assert (tokens, rounds) == (4 + 2 + 1, 3)
 
 
 def test_batches_cover_each_epoch_once():
