@@ -10,10 +10,10 @@ A config is `batch_size,num_steps,topk,num_draft_tokens` (SGLang's flags; draft 
 root); `1,0,0,0` is plain decoding, the baseline every speedup is measured against.
 
 torch backend (this CPU, or a GPU): batch size 1. For each prompt every config runs, and so do two
-peers on the same prompt, target and dtype: transformers' `generate` (plain greedy) and transformers'
-prompt-lookup decoding. The order rotates from prompt to prompt, so slow drift of the machine (other
-jobs, thermal limits) hits every config alike. Speedup is the median over prompts (and repeats) of
-(baseline seconds per token) / (config seconds per token) on that same prompt.
+peers on the same prompt, target and dtype: transformers' `generate` (plain greedy) and
+transformers' prompt-lookup decoding. The order rotates from prompt to prompt, so slow drift of
+the machine (other jobs, thermal limits) hits every config alike. Speedup is the median over
+prompts (and repeats) of (baseline seconds per token) / (config seconds per token) on that prompt.
 
 sglang backend (GPU): for each config an SGLang server is launched with the matching speculative
 flags, the prompts are sent to its native /generate endpoint `batch_size` at a time, and accept
@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -429,8 +430,12 @@ def sglang_generate(base_url, ids, sampling, timeout=3600):
 def send_all(base_url, prompts, batch_size, sampling):
     """All prompts, `batch_size` requests in flight. Returns (texts, metas, wall seconds)."""
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=batch_size) as ex:
+    ex = ThreadPoolExecutor(max_workers=batch_size)
+    try:
         got = list(ex.map(lambda ids: sglang_generate(base_url, ids, sampling), prompts))
+    finally:
+        # on an error or Ctrl-C do not wait for requests still in flight: the server is killed next
+        ex.shutdown(wait=False, cancel_futures=True)
     return [g[0] for g in got], [g[1] for g in got], time.perf_counter() - t0
 
 
@@ -492,6 +497,7 @@ def run_sglang(args, benches, configs, tok, stop, target_dir):
                 entry.update(prompts=len(metas), runs=len(metas), position_acceptance=None,
                              mismatches=mismatches if args.temperature == 0 else None)
                 results.setdefault(label, {})[cfg.label] = entry
+    shutil.rmtree(log_dir)   # kept only when something failed: the error names the log
     # Speedup: throughput over plain decoding at the same batch size, when that config ran.
     for per_cfg in results.values():
         for c in configs:
