@@ -97,6 +97,16 @@ def build_data(d, target_dir, n=12, seed=0, hidden=True, lengths=(12, 40), per_s
     return str(d)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is fastest, and on a busy machine a second OpenMP thread waiting
+    at every barrier for a descheduled partner makes tiny ops up to 100x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return save_tiny_target(tmp_path_factory.mktemp("tiny_target"))
@@ -435,3 +445,52 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
     assert [os.path.basename(c) for c in train.list_checkpoints(out)] == ["step-000002"]
     st = final_state(out)
     assert all(torch.isfinite(v).all() for v in st["model"].values() if v.is_floating_point())
+
+
+# ----------------------------------------------------------------------------------------------
+# Training metrics must predict decode-time acceptance
+
+def test_replayed_accept_length_predicts_speculate(tmp_path, target_dir):
+    """Data = the tiny target's own greedy continuations. After training, eval's replayed accept
+    length must match speculate.py's measured accept length (steps 3, topk 1, greedy) on the
+    held-out prompts; this also pins train.py and speculate.py to the same row/position
+    convention (a one-position disagreement costs most of the acceptance)."""
+    from safetensors.torch import save_file
+    import generate
+    from common import load_target
+    from model import load_draft_for
+    from speculate import Speculator
+    target, _ = load_target(target_dir)
+    N, P, G = 48, 8, 40
+    ids = torch.randint(0, V, (N, P), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():   # batched greedy continuation (no cache: G small forwards, fast)
+        for _ in range(G):
+            ids = torch.cat([ids, target(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    seqs = [{"input_ids": s, "loss_mask": [0] * P + [1] * G} for s in ids.tolist()]
+    d = build_data(tmp_path / "greedy", target_dir, n=N)     # same format, then our sequences
+    with open(os.path.join(d, "sequences.jsonl"), "w") as f:
+        for s in seqs:
+            f.write(json.dumps(s) + "\n")
+    hs = generate.target_hidden_states(target, [s["input_ids"] for s in seqs], [1, 3, 4])
+    m = json.load(open(os.path.join(d, "manifest.json")))
+    for sh in m["hidden"]["shards"]:
+        save_file({**{f"aux.{k}": hs[k][0].float().contiguous() for k in range(sh["start"], sh["end"])},
+                   **{f"final.{k}": hs[k][1].float().contiguous() for k in range(sh["start"], sh["end"])}},
+                  os.path.join(d, sh["file"]))
+    out = str(tmp_path / "run")
+    run_train(["--data", d, "--out", out, "--offline", "--batch-size", "8", "--epochs", "40",
+               "--lr", "3e-3", "--ttt-length", "4", "--eval-fraction", "0.25", "--eval-every", "1000",
+               "--log-every", "50"] + FP32)
+    ev = read_log(out, "eval")[-1]
+    draft = load_draft_for(train.list_checkpoints(out)[-1], target, torch.float32)
+    spec = Speculator(target, draft, steps=3, topk=1)
+    tokens = rounds = 0
+    for k in json.load(open(os.path.join(out, "args.json")))["eval_sequences"]:
+        got, st = spec.generate(seqs[k]["input_ids"][:P], G)
+        assert got == seqs[k]["input_ids"][P:]              # lossless, and the data is greedy
+        tokens += st["accept_length"] * st["rounds"]
+        rounds += st["rounds"]
+    measured = tokens / rounds
+    assert measured > 1.4, measured                         # the draft learned something
+    assert abs(ev["replay_accept_3"] - measured) < 0.05 * measured, \
+        (ev["replay_accept_3"], measured, ev["accept_len_3"])
