@@ -23,6 +23,31 @@ class UserError(Exception):
     """A mistake the user can fix (bad flag, bad file). Scripts print it as one line and exit 2."""
 
 
+def atomic_write(path, write):
+    """write(tmp_path), then rename onto path: a crash or Ctrl-C never leaves a file that looks
+    finished (os.replace is atomic on POSIX)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file normal permissions
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(path, text):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    atomic_write(path, write)
+
+
 def run_main(main):
     """Run a script's main(); a UserError becomes `error: ...` on stderr and exit code 2."""
     try:

@@ -40,12 +40,11 @@ import os
 import random
 import re
 import sys
-import tempfile
 import time
 
 import torch
 
-from common import UserError, run_main
+from common import UserError, atomic_write, atomic_write_text, run_main
 
 MANIFEST = "manifest.json"
 CONVERSATIONS = "conversations.jsonl"
@@ -59,29 +58,6 @@ FORMAT_VERSION = 1
 # ----------------------------------------------------------------------------------------------
 # Small file helpers: every file is written to a temp name and renamed, so a crash never leaves
 # a file that looks finished; JSONL logs are appended one whole line at a time.
-
-def atomic_write(path, write):
-    """write(tmp_path) then os.replace onto path (atomic on POSIX)."""
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=d)
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file normal permissions
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def atomic_write_text(path, text):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-    atomic_write(path, write)
-
 
 def atomic_write_jsonl(path, rows):
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

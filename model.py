@@ -28,14 +28,13 @@ import argparse
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import UserError, run_main
+from common import UserError, atomic_write, atomic_write_text, run_main
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -374,9 +373,9 @@ class Eagle3Draft(nn.Module):
               for k, v in self.export_state_dict().items()}
         cfg = self.config.to_sglang_json()
         cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-        _atomic_write(out_dir, WEIGHTS_NAME, lambda p: save_file(sd, p, metadata={"format": "pt"}))
-        _atomic_write(out_dir, CONFIG_NAME,
-                      lambda p: open(p, "w").write(json.dumps(cfg, indent=2) + "\n"))
+        atomic_write(os.path.join(out_dir, WEIGHTS_NAME),
+                     lambda p: save_file(sd, p, metadata={"format": "pt"}))
+        atomic_write_text(os.path.join(out_dir, CONFIG_NAME), json.dumps(cfg, indent=2) + "\n")
 
     @classmethod
     def from_pretrained(cls, path, embed_weight=None, dtype=None):
@@ -429,17 +428,6 @@ def read_config(path):
     if not isinstance(d, dict):
         raise UserError(f"{cpath}: expected a JSON object")
     return DraftConfig.from_json(d, cpath)
-
-
-def _atomic_write(out_dir, name, write):
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, os.path.join(out_dir, name))
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def load_draft_for(path, target_model, dtype=None):

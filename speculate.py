@@ -507,11 +507,8 @@ def main():
               f"target's greedy decoding; plain {plain:.1f} tok/s, "
               f"speedup {summary['tokens_per_s'] / plain:.2f}x")
     if args.json:
-        from model import _atomic_write
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
-        payload = json.dumps({"summary": summary, "records": records}, indent=1)
-        _atomic_write(d, os.path.basename(args.json), lambda p: open(p, "w").write(payload))
+        from common import atomic_write_text
+        atomic_write_text(args.json, json.dumps({"summary": summary, "records": records}, indent=1))
     if args.check and mismatches:
         sys.exit(1)
 
