@@ -403,6 +403,20 @@ def check_spec_args(steps, topk, num_draft_tokens, draft_vocab_size):
                         f"{topk} holds 2..{cap} tokens (root included)")
 
 
+@torch.inference_mode()
+def divergence(target, prompt_ids, ref, out):
+    """Where two greedy outputs first differ, and how close the target's call was there: the gap
+    between its logits for the two tokens, from one fresh forward over the common prefix. A gap
+    near the dtype's rounding (bf16 keeps ~3 significant digits) is a near-tie, not a bug."""
+    i = next(k for k in range(min(len(ref), len(out)) + 1)
+             if k == len(ref) or k == len(out) or ref[k] != out[k])
+    if i == len(ref) or i == len(out):
+        return i, float("nan")
+    ids = torch.tensor([list(prompt_ids) + ref[:i]], device=target.device)
+    logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    return i, float(logits[ref[i]] - logits[out[i]])
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 
@@ -473,6 +487,8 @@ def main():
             rec.update(plain_tokens_per_s=rs["tokens_per_s"] if "tokens_per_s" in rs else
                        rs["new_tokens"] / rs["time"], matches_target=ref == out)
             mismatches += ref != out
+            if ref != out:
+                rec["first_divergence"], rec["target_logit_gap"] = divergence(target, ids, ref, out)
         records.append(rec)
         if not args.quiet:
             print(f"\n### {rec['prompt'][:200]}\n{rec['text']}")
@@ -481,6 +497,9 @@ def main():
         if args.check:
             line += (f" (plain {rec['plain_tokens_per_s']:.1f} tok/s, "
                      f"{'identical' if rec['matches_target'] else 'DIFFERENT'})")
+            if not rec["matches_target"]:
+                line += (f": first at token {rec['first_divergence']}, where the target's own "
+                         f"logits for the two tokens differ by {rec['target_logit_gap']:.3f}")
         print(line, file=sys.stderr)
     tot_tokens = sum(r["new_tokens"] for r in records)
     tot_rounds = sum(r["rounds"] for r in records)
