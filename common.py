@@ -7,6 +7,7 @@ The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file ins
 the quantised weights are dequantised on load, so the first use converts it once into a plain
 transformers directory under a cache folder; every later load takes under a second.
 """
+import gzip
 import importlib.util
 import json
 import os
@@ -171,38 +172,75 @@ def stop_token_ids(tok, model_config=None):
     return sorted(ids)
 
 
-def read_prompts(path):
-    """Prompts from a JSONL file: {"prompt": ...}, {"messages": [...]} or ShareGPT conversations.
-    Returns a list of message lists ending in a user turn."""
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+         "system": "system"}
+
+
+def parse_conversation(obj):
+    """One record -> list of {"role", "content"} messages. Raises ValueError with the reason."""
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    if "prompt" in obj and not ("messages" in obj or "conversations" in obj):
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ValueError("empty prompt")
+        return [{"role": "user", "content": obj["prompt"]}]
+    if isinstance(obj.get("messages"), list):
+        raw = [(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+               for m in obj["messages"]]
+    elif isinstance(obj.get("conversations"), list):
+        raw = [(m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None)
+               for m in obj["conversations"]]
+    else:
+        raise ValueError('expected a "prompt" string, a "messages" list or a "conversations" list')
+    msgs = []
+    for role, content in raw:
+        role = ROLES.get(str(role).lower()) if role is not None else None
+        if role is None:
+            raise ValueError("a turn has a missing or unknown role")
+        if not isinstance(content, str):
+            raise ValueError("a turn has no string content")
+        msgs.append({"role": role, "content": content})
+    users = [m for m in msgs if m["role"] == "user"]
+    if not users:
+        raise ValueError("no user turn")
+    if any(not m["content"].strip() for m in users):
+        raise ValueError("empty prompt")
+    return msgs
+
+
+def read_conversations(path, skip_bad=False):
+    """Conversations from a JSONL file. A bad line is an error naming file:line, or with
+    skip_bad it is skipped and counted. Returns (conversations, number skipped)."""
     if not os.path.exists(path):
         raise UserError(f"--prompts {path}: no such file")
-    prompts = []
-    with open(path) as f:
+    convs, bad = [], 0
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                convs.append(parse_conversation(json.loads(line)))
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: malformed JSON ({e.msg})")
-            msgs = None
-            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                msgs = [{"role": "user", "content": obj["prompt"]}]
-            elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-                msgs = [m for m in obj["messages"] if isinstance(m, dict)]
-            elif isinstance(obj, dict) and isinstance(obj.get("conversations"), list):
-                roles = {"human": "user", "gpt": "assistant", "system": "system"}
-                msgs = [{"role": roles.get(m.get("from"), m.get("from")), "content": m.get("value")}
-                        for m in obj["conversations"] if isinstance(m, dict)]
-            if not msgs:
-                raise UserError(f"{path}:{n}: expected a \"prompt\" string, \"messages\" list "
-                                f"or \"conversations\" list")
-            # keep everything up to and including the first user turn's last user message
-            while msgs and msgs[-1].get("role") != "user":
-                msgs.pop()
-            if not msgs or not all(isinstance(m.get("content"), str) for m in msgs):
-                raise UserError(f"{path}:{n}: no user turn with string content")
-            prompts.append(msgs)
-    if not prompts:
-        raise UserError(f"--prompts {path}: file holds no prompts")
+                if not skip_bad:
+                    raise UserError(f"{path}:{n}: malformed JSON ({e.msg}); --skip-bad skips such lines")
+                bad += 1
+            except ValueError as e:
+                if not skip_bad:
+                    raise UserError(f"{path}:{n}: {e}; --skip-bad skips such lines")
+                bad += 1
+    if not convs:
+        raise UserError(f"--prompts {path}: file holds no usable conversations")
+    return convs, bad
+
+
+def read_prompts(path):
+    """Prompts from a conversations JSONL file: each conversation up to its last user turn."""
+    prompts = []
+    for msgs in read_conversations(path)[0]:
+        msgs = list(msgs)
+        while msgs[-1]["role"] != "user":
+            msgs.pop()
+        prompts.append(msgs)
     return prompts

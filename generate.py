@@ -44,7 +44,8 @@ import time
 
 import torch
 
-from common import UserError, atomic_write, atomic_write_text, run_main
+from common import (UserError, atomic_write, atomic_write_text, parse_conversation,
+                    read_conversations, run_main)
 
 MANIFEST = "manifest.json"
 CONVERSATIONS = "conversations.jsonl"
@@ -91,69 +92,6 @@ def read_log(path):
 
 # ----------------------------------------------------------------------------------------------
 # 1. Prompts in: three JSONL shapes, a hub data set, or synthesised by the target itself
-
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-         "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
-         "system": "system"}
-
-
-def parse_conversation(obj):
-    """One record -> list of {"role", "content"} messages. Raises ValueError with the reason."""
-    if not isinstance(obj, dict):
-        raise ValueError("expected a JSON object")
-    if "prompt" in obj and not ("messages" in obj or "conversations" in obj):
-        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
-            raise ValueError("empty prompt")
-        return [{"role": "user", "content": obj["prompt"]}]
-    if isinstance(obj.get("messages"), list):
-        raw = [(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
-               for m in obj["messages"]]
-    elif isinstance(obj.get("conversations"), list):
-        raw = [(m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None)
-               for m in obj["conversations"]]
-    else:
-        raise ValueError('expected a "prompt" string, a "messages" list or a "conversations" list')
-    msgs = []
-    for role, content in raw:
-        role = ROLES.get(str(role).lower()) if role is not None else None
-        if role is None:
-            raise ValueError("a turn has a missing or unknown role")
-        if not isinstance(content, str):
-            raise ValueError("a turn has no string content")
-        msgs.append({"role": role, "content": content})
-    users = [m for m in msgs if m["role"] == "user"]
-    if not users:
-        raise ValueError("no user turn")
-    if any(not m["content"].strip() for m in users):
-        raise ValueError("empty prompt")
-    return msgs
-
-
-def read_conversations(path, skip_bad=False):
-    """Conversations from a JSONL file. A bad line is an error naming file:line, or with
-    skip_bad it is skipped and counted. Returns (conversations, number skipped)."""
-    if not os.path.exists(path):
-        raise UserError(f"--prompts {path}: no such file")
-    convs, bad = [], 0
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                convs.append(parse_conversation(json.loads(line)))
-            except json.JSONDecodeError as e:
-                if not skip_bad:
-                    raise UserError(f"{path}:{n}: malformed JSON ({e.msg}); --skip-bad skips such lines")
-                bad += 1
-            except ValueError as e:
-                if not skip_bad:
-                    raise UserError(f"{path}:{n}: {e}; --skip-bad skips such lines")
-                bad += 1
-    if not convs:
-        raise UserError(f"--prompts {path}: file holds no usable conversations")
-    return convs, bad
-
 
 def read_hub_dataset(name, split, skip_bad=False):
     """A hub data set, downloaded only because the user named it. `datasets` is optional."""
