@@ -447,6 +447,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (on a busy machine, 1 per concurrent process)")
     ap.add_argument("--sglang-positions", action="store_true",
                     help="draft decode steps one position later, as SGLang does")
     ap.add_argument("--check", action="store_true",
@@ -462,6 +464,10 @@ def main():
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
     if args.check and args.temperature != 0:
         raise UserError("--check compares greedy outputs: use it with --temperature 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads {args.threads}: expected >= 1")
+        torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
     from model import read_config
     check_spec_args(args.steps, args.topk, args.num_draft_tokens,
