@@ -49,6 +49,18 @@ def atomic_write_text(path, text):
     atomic_write(path, write)
 
 
+def read_json(path):
+    """A JSON object from a file the caller knows exists; a broken file is a one-line UserError."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt, not valid JSON ({e})")
+    if not isinstance(d, dict):
+        raise UserError(f"{path}: corrupt, expected a JSON object")
+    return d
+
+
 def run_main(main):
     """Run a script's main(); a UserError becomes `error: ...` on stderr and exit code 2."""
     try:

@@ -45,7 +45,7 @@ import time
 import torch
 
 from common import (UserError, atomic_write, atomic_write_text, parse_conversation,
-                    read_conversations, run_main)
+                    read_conversations, read_json, run_main)
 
 MANIFEST = "manifest.json"
 CONVERSATIONS = "conversations.jsonl"
@@ -702,12 +702,8 @@ def load_dataset_dir(path):
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise UserError(f"{path}: no {MANIFEST}; not a generate.py output directory")
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{mpath}: corrupt ({e.msg})")
-    if not isinstance(manifest, dict) or not manifest.get("complete"):
+    manifest = read_json(mpath)
+    if not manifest.get("complete"):
         raise UserError(f"{path}: generate.py did not finish here; re-run it to complete the data")
     spath = os.path.join(path, SEQUENCES)
     if not os.path.exists(spath):

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import UserError, atomic_write, atomic_write_text, run_main
+from common import UserError, atomic_write, atomic_write_text, read_json, run_main
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -420,13 +420,7 @@ def read_config(path):
     cpath = os.path.join(path, CONFIG_NAME)
     if not os.path.exists(cpath):
         raise UserError(f"{path}: no {CONFIG_NAME}; expected a draft saved by model.py or train.py")
-    try:
-        with open(cpath) as f:
-            d = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{cpath}: not valid JSON ({e})")
-    if not isinstance(d, dict):
-        raise UserError(f"{cpath}: expected a JSON object")
+    d = read_json(cpath)
     return DraftConfig.from_json(d, cpath)
 
 
