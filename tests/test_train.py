@@ -248,6 +248,42 @@ def test_batches_cover_each_epoch_once():
     assert train.batch_indices(ids, 5, 2, 3)[1] == {"epoch": 1, "batch_in_epoch": 0}
 
 
+def test_length_grouped_batches():
+    # 200 sequences of random lengths: every epoch still covers each (full batch) sequence once,
+    # batches hold similar lengths (much less padding than random batches), and epochs differ.
+    g = torch.Generator().manual_seed(0)
+    ids = list(range(1000, 1200))
+    lengths = {k: int(x) for k, x in zip(ids, torch.randint(20, 300, (200,), generator=g))}
+
+    def padding(lens):
+        return sum(8 * max(lengths[k] for k in b) - sum(lengths[k] for k in b)
+                   for b in (train.batch_indices(ids, s, 8, 1, lens)[0] for s in range(25)))
+    for epoch in range(2):
+        seen = [k for s in range(25 * epoch, 25 * epoch + 25)
+                for k in train.batch_indices(ids, s, 8, 1, lengths)[0]]
+        assert sorted(seen) == ids
+    assert padding(lengths) < 0.2 * padding(None)
+    assert (train.batch_indices(ids, 0, 8, 1, lengths)[0]
+            != train.batch_indices(ids, 25, 8, 1, lengths)[0])
+
+
+def test_target_side_only_needed_rows():
+    torch.manual_seed(1)
+    W, final = torch.randn(10, 4), torch.randn(2, 6, 4)
+    draft_ids = torch.tensor([1, 3, 4, 8])
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[draft_ids] = True
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    need = train.shift_left(mask, 1, False)
+    p, am, inv = train.target_side(final, W, draft_ids, t2d, chunk=3)
+    p2, am2, inv2 = train.target_side(final, W, draft_ids, t2d, need=need, chunk=3)
+    rows = need.reshape(-1)
+    assert torch.allclose(p2[rows], p[rows], atol=1e-6) and torch.equal(am2[rows], am[rows])
+    assert not p2[~rows].any()
+    # every row the loss reads is the same
+    assert torch.equal(train.valid_rows(mask, inv2, 3), train.valid_rows(mask, inv, 3))
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -433,7 +469,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
     seqs = [json.loads(l) for l in open(os.path.join(d, "sequences.jsonl"))]
     train_ids, _ = train.split_data(len(seqs), 0.05, 0)
     step = 3
-    k = train.batch_indices(train_ids, step, 2, 0)[0][0]
+    lengths = [len(q["input_ids"]) for q in seqs]
+    k = train.batch_indices(train_ids, step, 2, 0, lengths)[0][0]
     shard = next(s for s in m["hidden"]["shards"] if s["start"] <= k < s["end"])
     t = load_file(os.path.join(d, shard["file"]))
     t[f"aux.{k}"][:] = float("nan")
