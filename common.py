@@ -197,22 +197,26 @@ def parse_conversation(obj):
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
             raise ValueError("empty prompt")
         return [{"role": "user", "content": obj["prompt"]}]
+    # (role, content, truncated): generate.py marks an answer cut at --max-new-tokens
+    # "truncated", so a conversations.jsonl read back keeps its end-of-turn out of the loss
     if isinstance(obj.get("messages"), list):
-        raw = [(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
-               for m in obj["messages"]]
+        raw = [(m.get("role"), m.get("content"), m.get("truncated")) if isinstance(m, dict)
+               else (None, None, None) for m in obj["messages"]]
     elif isinstance(obj.get("conversations"), list):
-        raw = [(m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None)
-               for m in obj["conversations"]]
+        raw = [(m.get("from"), m.get("value"), m.get("truncated")) if isinstance(m, dict)
+               else (None, None, None) for m in obj["conversations"]]
     else:
         raise ValueError('expected a "prompt" string, a "messages" list or a "conversations" list')
     msgs = []
-    for role, content in raw:
+    for role, content, truncated in raw:
         role = ROLES.get(str(role).lower()) if role is not None else None
         if role is None:
             raise ValueError("a turn has a missing or unknown role")
         if not isinstance(content, str):
             raise ValueError("a turn has no string content")
         msgs.append({"role": role, "content": content})
+        if truncated is True and role == "assistant":
+            msgs[-1]["truncated"] = True
     users = [m for m in msgs if m["role"] == "user"]
     if not users:
         raise ValueError("no user turn")

@@ -140,6 +140,10 @@ def test_truncated_turn_has_no_end_of_turn_in_the_loss(smol_tok):
     conv = CONV[:4] + [{"role": "assistant", "content": "Seven, for", "truncated": True}]
     ids, mask = generate.encode_conversation(smol_tok, conv)
     assert masked_spans(smol_tok, ids, mask) == ["Blue is a colour.<|im_end|>", "Seven, for"]
+    # read back from a conversations.jsonl (e.g. merged runs, --no-regenerate), the mark survives
+    from common import parse_conversation
+    assert parse_conversation({"messages": conv})[-1]["truncated"] is True
+    assert "truncated" not in parse_conversation({"messages": conv})[1]
 
 
 def test_llama3_mask(smol_tok):
