@@ -586,8 +586,10 @@ def plot(entries, path):
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xticks(range(len(benches)), benches)
         ax.set_title(title)
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
+    # one legend for both panels, below them, so it never hides a bar
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(configs), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
 

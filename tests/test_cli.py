@@ -1,5 +1,6 @@
 """The command lines on the real default target: a clean run with --check, and every user mistake
 answered by one clear error line and a non-zero exit (never a traceback)."""
+import glob
 import json
 import os
 import subprocess
@@ -92,3 +93,22 @@ def test_speculate_bad_inputs(tmp_path, default_cfg):
     assert_user_error(run("speculate.py", "--draft", good, "--prompts", str(p)), f"{p}:2")
     r = run(*base, "--draft", good, "--steps", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr   # argparse's own usage error
+
+
+SHIPPED = sorted(os.path.relpath(os.path.dirname(p), ROOT)
+                 for p in glob.glob(os.path.join(ROOT, "drafts", "*", "config.json")))
+
+
+@pytest.mark.parametrize("draft", SHIPPED)
+def test_committed_draft_is_lossless_and_accepts(tmp_path, draft):
+    # the shipped draft: small, loads against the default target, exact in fp32, and trained
+    # (a random draft's accept length is ~1.0; this one must get well past it on a plain prompt)
+    size = sum(os.path.getsize(os.path.join(ROOT, draft, f)) for f in os.listdir(os.path.join(ROOT, draft)))
+    assert size < 25e6, size
+    out = tmp_path / "r.json"
+    r = run("speculate.py", "--draft", draft, "--prompt", "Write a short poem about the sea.",
+            "--max-new-tokens", "48", "--dtype", "float32", "--check", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["summary"]["mismatches"] == 0
+    assert rec["summary"]["accept_length"] > 1.2, rec["summary"]
