@@ -142,8 +142,8 @@ def epoch_batches(n, batch_size, seed, epoch, lens=None, window=32):
     """One epoch's batches (positions into the training ids). Plain: a seeded shuffle cut into
     batches. Length-grouped: the shuffle is cut into windows of `window` batches, each window
     sorted by length and cut into batches, and the batches shuffled again, so a batch holds
-    sequences of similar length (padding: 19% of a random batch's rows on the default target's
-    data, ~1% grouped) while the order stays random at the scale of a window."""
+    sequences of similar length (padded rows, measured on the README's full-run data at batch 8:
+    19.7% random, 1.4% grouped) while the order stays random at the scale of a window."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(n, generator=g).tolist()[:n // batch_size * batch_size]
     if lens is not None:
