@@ -37,12 +37,9 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -325,110 +322,9 @@ def summarise_torch(records, runner):
 # ----------------------------------------------------------------------------------------------
 # SGLang backend
 
-def require_sglang():
-    """sglang is imported here and only here: the torch backend never needs it."""
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        raise UserError("--backend sglang needs sglang and a CUDA GPU: "
-                        "pip install -r requirements-sglang.txt (or use --backend torch)")
-    import torch
-    if not torch.cuda.is_available():
-        raise UserError("--backend sglang needs a CUDA GPU; use --backend torch on this machine")
-
-
-def server_command(target_dir, draft, cfg, host, port, dtype, extra=()):
-    """The launch_server command line for one config. No speculative flags for the baseline."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_dir,
-           "--host", host, "--port", str(port), "--dtype", dtype]
-    if cfg.speculative:
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
-                "--speculative-num-steps", str(cfg.steps),
-                "--speculative-eagle-topk", str(cfg.topk),
-                "--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
-    return cmd + list(extra)
-
-
-def http_json(url, payload=None, timeout=600):
-    """GET (payload None) or POST JSON with urllib; returns the decoded body."""
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:
-        raise UserError(f"{url}: HTTP {e.code} {e.read()[:200]!r}")
-    except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"{url}: {getattr(e, 'reason', e)}")
-    try:
-        return json.loads(body) if body.strip() else None
-    except json.JSONDecodeError:
-        raise UserError(f"{url}: the reply is not JSON ({body[:100]!r})")
-
-
-def healthy(base_url):
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def wait_healthy(base_url, proc, timeout, log_path):
-    """Poll /health until it answers 200; fail early if the server process dies."""
-    t0 = time.time()
-    while not healthy(base_url):
-        if proc is not None and proc.poll() is not None:
-            raise UserError(f"the sglang server exited with code {proc.returncode} before it was "
-                            f"ready; its log: {log_path}")
-        if time.time() - t0 > timeout:
-            raise UserError(f"the sglang server at {base_url} was not healthy after {timeout:.0f} "
-                            f"s; its log: {log_path}")
-        time.sleep(0.5)
-
-
-def stop_process(proc, grace=20):
-    """Terminate a launched server and everything it started (its own process group): SIGTERM,
-    then SIGKILL after `grace` seconds. SGLang forks scheduler and detokenizer processes, so
-    killing only the leader could leave a GPU held."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        pass
-    try:   # stragglers in the group (or the leader, if it ignored SIGTERM)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-@contextlib.contextmanager
-def launched_server(cmd, base_url, timeout, log_path):
-    """Start `cmd` in its own session, wait until healthy, yield the process, always kill it."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            wait_healthy(base_url, proc, timeout, log_path)
-            yield proc
-        finally:
-            stop_process(proc)
-
-
-def sglang_generate(base_url, ids, sampling, timeout=3600):
-    """One request to the native /generate endpoint; returns (text, meta_info)."""
-    r = http_json(base_url + "/generate", {"input_ids": ids, "sampling_params": sampling}, timeout)
-    if not isinstance(r, dict) or not isinstance(r.get("meta_info"), dict):
-        raise UserError(f"{base_url}/generate: unexpected reply (no meta_info)")
-    return r.get("text", ""), r["meta_info"]
-
-
 def send_all(base_url, prompts, batch_size, sampling):
     """All prompts, `batch_size` requests in flight. Returns (texts, metas, wall seconds)."""
+    from sglang_engine import generate as sglang_generate
     t0 = time.perf_counter()
     ex = ThreadPoolExecutor(max_workers=batch_size)
     try:
@@ -439,22 +335,13 @@ def send_all(base_url, prompts, batch_size, sampling):
     return [g[0] for g in got], [g[1] for g in got], time.perf_counter() - t0
 
 
-def sglang_metrics(metas, wall):
-    """SpecForge's definitions: accept length = sum(completion_tokens) / sum(spec_verify_ct)
-    (a server without speculation reports no spec_verify_ct: 1.0), throughput = tokens / wall."""
-    tokens = sum(int(m.get("completion_tokens", 0)) for m in metas)
-    verify = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
-    return {"new_tokens": tokens, "rounds": verify or None,
-            "accept_length": tokens / verify if verify else 1.0,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0, "wall_time": wall}
-
-
 def run_sglang(args, benches, configs, tok, stop, target_dir):
     """Each config on its own server (or all on the running one with --skip-launch-server)."""
     from tqdm import tqdm
     from common import chat_prompt_ids
+    import sglang_engine as sge  # every SGLang call lives there
     if not args.skip_launch_server:
-        require_sglang()
+        sge.require_sglang()
     base_url = f"http://{args.host}:{args.port}"
     sampling = {"temperature": args.temperature, "top_p": args.top_p,
                 "max_new_tokens": args.max_new_tokens, "stop_token_ids": list(stop)}
@@ -467,17 +354,17 @@ def run_sglang(args, benches, configs, tok, stop, target_dir):
     log_dir = tempfile.mkdtemp(prefix="bench-sglang-")
     for cfg in order:
         if args.skip_launch_server:
-            if not healthy(base_url):
+            if not sge.healthy(base_url):
                 raise UserError(f"--skip-launch-server: no healthy server at {base_url}/health")
             server = contextlib.nullcontext()
         else:
-            cmd = server_command(target_dir, args.draft and os.path.abspath(args.draft), cfg,
+            cmd = sge.server_command(target_dir, args.draft and os.path.abspath(args.draft), cfg,
                                  args.host, args.port, dtype, args.server_args.split())
             print(f"launching: {' '.join(cmd)}", file=sys.stderr)
-            server = launched_server(cmd, base_url, args.server_timeout,
+            server = sge.launched_server(cmd, base_url, args.server_timeout,
                                      os.path.join(log_dir, f"server-{cfg.label}.log"))
         with server:
-            sglang_generate(base_url, chat_prompt_ids(tok, "Hi"), dict(sampling, max_new_tokens=4))
+            sge.generate(base_url, chat_prompt_ids(tok, "Hi"), dict(sampling, max_new_tokens=4))
             for label, items in tqdm(benches, desc=f"sglang {cfg.label}", file=sys.stderr):
                 metas, walls, mismatches = [], 0.0, 0
                 for turn in range(max(len(it.turns) for it in items)):
@@ -493,7 +380,7 @@ def run_sglang(args, benches, configs, tok, stop, target_dir):
                             reference[key] = text
                             answers.setdefault((label, qi), []).append(text)
                         mismatches += text != reference[key]
-                entry = sglang_metrics(metas, walls)
+                entry = sge.metrics(metas, walls)
                 entry.update(prompts=len(metas), runs=len(metas), position_acceptance=None,
                              mismatches=mismatches if args.temperature == 0 else None)
                 results.setdefault(label, {})[cfg.label] = entry

@@ -304,50 +304,6 @@ def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed):
     return convs
 
 
-def chat_completion(url, model_name, messages, max_tokens, temperature, top_p, timeout=600):
-    """One call to an OpenAI-compatible /v1/chat/completions (SGLang's server). Returns the
-    assistant message dict. Plain urllib: no client library needed."""
-    import urllib.error
-    import urllib.request
-    body = {"model": model_name, "messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p}
-    req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            reply = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise UserError(f"--server-url {url}: HTTP {e.code} ({e.read()[:200]!r})")
-    except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"--server-url {url}: cannot reach the server ({e})")
-    try:
-        choice = reply["choices"][0]
-        msg = {"role": "assistant", "content": choice["message"]["content"] or ""}
-    except (KeyError, IndexError, TypeError):
-        raise UserError(f"--server-url {url}: not an OpenAI chat completion reply: {str(reply)[:200]}")
-    if choice.get("finish_reason") == "length":
-        msg["truncated"] = True
-    return msg
-
-
-def fill_http(url, model_name, skeletons, max_new_tokens, temperature, top_p, concurrency):
-    """Fill holes through a server, one thread per conversation (turns of one conversation are
-    sequential: each sees the earlier answers), `concurrency` conversations in flight."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(sk):
-        conv = list(sk)
-        for j, m in enumerate(conv):
-            if m is None:
-                strip = [{"role": x["role"], "content": x["content"]} for x in conv[:j]]
-                conv[j] = chat_completion(url, model_name, strip, max_new_tokens, temperature, top_p)
-        return conv
-
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(one, skeletons))
-
-
 def regenerate(skeletons, path, fill, chunk):
     """Append regenerated conversations to `path` in order, `chunk` at a time. A killed run
     keeps every whole line already written and continues after them.
@@ -509,93 +465,6 @@ def target_hidden_states(target, sequences, layer_ids, batch_size=8):
         for r, k in enumerate(idx):
             out[k] = (aux[r, :lens[r]].clone(), final[r, :lens[r]].clone())
     return out
-
-
-def sglang_hidden_states(runner, sequences, layer_ids, batch_size=8):
-    """The SGLang backend of `target_hidden_states`: same inputs, same outputs.
-
-    UNTESTED: written from the public sglang source (pinned in requirements-sglang.txt) and
-    SpecForge's use of it; it needs CUDA and sglang, neither of which the CPU machine this was
-    written on has. `runner` is from `sglang_runner()`. The aux layers are not in SGLang's public
-    API (reference §7), so we do what SpecForge does: run prefill ("extend") batches through the
-    in-process ModelRunner after `model.set_eagle3_layers_to_capture(layer_ids)` (which adds 1
-    internally: SGLang records the INPUT of layer i+1 = the output of layer i). With
-    CaptureHiddenMode.FULL the logits processor returns the concatenated aux states for every
-    token; the final-normed hidden state is taken with a forward hook on the model's final
-    norm, since SGLang only returns it when nothing else is captured."""
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    model = runner.model
-    model.set_eagle3_layers_to_capture(list(layer_ids))
-    captured = {}
-
-    def grab_final(module, inputs, output):  # SGLang's RMSNorm(x, residual) returns (out, residual)
-        captured["final"] = output[0] if isinstance(output, tuple) else output
-
-    hook = model.model.norm.register_forward_hook(grab_final)
-    out = [None] * len(sequences)
-    params = SamplingParams(temperature=0, max_new_tokens=1)
-    try:
-        for s in range(0, len(sequences), batch_size):
-            chunk = list(range(s, min(s + batch_size, len(sequences))))
-            reqs = []
-            for k in chunk:
-                req = Req(rid=str(k), origin_input_text="", origin_input_ids=list(sequences[k]),
-                          sampling_params=params)
-                req.fill_ids = req.origin_input_ids
-                req.extend_input_len = len(req.fill_ids)
-                req.logprob_start_len = len(req.fill_ids) - 1
-                reqs.append(req)
-            # a fresh prefix tree per batch: nothing is shared with earlier batches
-            tree_cache = RadixCache(CacheInitParams(
-                disable=False, req_to_token_pool=runner.req_to_token_pool,
-                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
-                page_size=runner.server_args.page_size))
-            batch = ScheduleBatch.init_new(
-                reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
-                tree_cache=tree_cache, model_config=runner.model_config, enable_overlap=False,
-                spec_algorithm=SpeculativeAlgorithm.NONE)
-            batch.prepare_for_extend()
-            fb = ForwardBatch.init_new(batch.get_model_worker_batch(), runner)
-            fb.capture_hidden_mode = CaptureHiddenMode.FULL
-            res = runner.forward(fb)
-            logits_output = getattr(res, "logits_output", res)
-            aux_all = logits_output.hidden_states  # [sum(T), 3*Ht], tokens of all reqs in order
-            lens = [len(sequences[k]) for k in chunk]
-            for k, aux, fin in zip(chunk, aux_all.split(lens), captured["final"].split(lens)):
-                out[k] = (aux.cpu().clone(), fin.cpu().clone())
-            runner.req_to_token_pool.clear()  # nothing is cached between batches
-            runner.token_to_kv_pool_allocator.clear()
-    finally:
-        hook.remove()
-    return out
-
-
-def sglang_runner(model_path, dtype="bfloat16", mem_fraction_static=0.8):
-    """An in-process SGLang ModelRunner for one GPU (tp 1). UNTESTED here (see above)."""
-    try:
-        import sglang  # noqa: F401
-        from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.model_executor.model_runner import ModelRunner
-        from sglang.srt.server_args import PortArgs, ServerArgs
-    except ImportError:
-        raise UserError("--backend sglang needs sglang: pip install -r requirements-sglang.txt")
-    if not torch.cuda.is_available():
-        raise UserError("--backend sglang needs a CUDA GPU; use --backend hf on this machine")
-    server_args = ServerArgs(model_path=model_path, dtype=dtype, disable_cuda_graph=True,
-                             enable_return_hidden_states=True, tp_size=1,
-                             mem_fraction_static=mem_fraction_static)
-    port_args = PortArgs.init_new(server_args)
-    return ModelRunner(model_config=ModelConfig.from_server_args(server_args),
-                       mem_fraction_static=mem_fraction_static, gpu_id=0, tp_rank=0, tp_size=1,
-                       moe_ep_rank=0, moe_ep_size=1, pp_rank=0, pp_size=1,
-                       nccl_port=port_args.nccl_port, server_args=server_args)
 
 
 def shard_meta(tok_hash, layer_ids, dtype, seqs, start, end, source=""):
@@ -866,6 +735,8 @@ def main(argv=None):
     if not all(0 <= i < L - 1 for i in layer_ids):
         raise UserError(f"--aux-layers {layer_ids}: expected three ids in [0, {L - 2}] for a "
                         f"{L}-layer target")
+    if layer_ids != sorted(set(layer_ids)):  # SGLang captures in ascending order (sglang_engine.py)
+        raise UserError(f"--aux-layers {layer_ids}: expected sorted, distinct ids")
     tok_hash = tokenizer_hash(tok)
     bench = bench_prompts()
 
@@ -926,9 +797,12 @@ def main(argv=None):
                                args.top_p, args.seed * 1_000_003 + start)
             chunk = args.batch_size
         else:
+            import sglang_engine  # every SGLang call lives there
+
             def fill(chunk, start):
-                return fill_http(args.server_url, args.server_model, chunk, args.max_new_tokens,
-                                 args.temperature, args.top_p, args.concurrency)
+                return sglang_engine.fill_http(args.server_url, args.server_model, chunk,
+                                               args.max_new_tokens, args.temperature, args.top_p,
+                                               args.concurrency)
             chunk = 4 * args.concurrency
         t0 = time.time()
         rows, n_new = regenerate(skeletons, cpath, fill, chunk)
@@ -972,10 +846,11 @@ def main(argv=None):
             def compute(seqs):
                 return target_hidden_states(target, seqs, layer_ids, args.batch_size)
         else:
-            runner = sglang_runner(resolve_target(args.target), args.dtype)
+            import sglang_engine as sge  # every SGLang call lives there
+            runner = sge.runner(resolve_target(args.target), args.dtype)
 
             def compute(seqs):
-                return sglang_hidden_states(runner, seqs, layer_ids, args.batch_size)
+                return sge.hidden_states(runner, seqs, layer_ids, args.batch_size)
         source = f"{args.target}|{args.dtype}|{args.backend}"
         shards, hs_rate = write_hidden_shards(compute, out, sequences, layer_ids, tok_hash,
                                               args.hidden_dtype, args.shard_size, source)

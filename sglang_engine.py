@@ -90,11 +90,10 @@ def sglang_device():
 def server_command(target_dir, draft, cfg, host, port, dtype, extra=()):
     """The launch_server command line for one bench config (batch, steps, topk, draft tokens).
     No speculative flags for the baseline. --dtype is always passed: without it a float32
-    checkpoint is served as float16. With topk 1 SGLang forces draft tokens to steps + 1."""
+    checkpoint is served as float16. With topk 1 SGLang forces draft tokens to steps + 1.
+    SGLang's CPU engine takes `--device cpu` through `extra` (bench.py --server-args)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_dir,
            "--host", host, "--port", str(port), "--dtype", dtype]
-    if cpu_engine():
-        cmd += ["--device", "cpu"]
     if cfg.speculative:
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
                 "--speculative-num-steps", str(cfg.steps),

