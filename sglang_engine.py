@@ -260,8 +260,10 @@ def fill_http(url, model_name, skeletons, max_new_tokens, temperature, top_p, co
 #   - ForwardBatch.init_new(batch, runner, *, capture_hidden_mode, return_hidden_states_before_norm)
 #     takes the ScheduleBatch itself (get_model_worker_batch is gone).
 
-def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_tokens=None):
-    """An in-process SGLang ModelRunner on one device (tp 1), set up as one_batch.py does."""
+def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_tokens=None, gpu_id=0):
+    """An in-process SGLang ModelRunner on one device (tp 1), set up as one_batch.py does.
+    One per process: it publishes process-wide config and starts a (1-rank) process group.
+    `max_total_tokens` caps the KV pool (the online producer shares the GPU with the trainer)."""
     require_sglang()
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import bootstrap
@@ -285,7 +287,7 @@ def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_toke
     port_args = PortArgs.init_new(server_args)
     publish(server_args, role="scheduler",
             ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=0, pp_rank=0),
-                             gpu_id=0))
+                             gpu_id=gpu_id))
     initialize_moe_config()             # process-global configs one_batch.py sets before loading
     initialize_fp8_gemm_config()
     initialize_bf16_gemm_config()
@@ -293,7 +295,7 @@ def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_toke
     bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device,
                                     dist_port=port_args.nccl_port)
     bootstrap.init_layer_runtime(model_config=model_config)
-    r = ModelRunner(model_config=model_config, mem_fraction_static=mem_fraction_static, gpu_id=0,
+    r = ModelRunner(model_config=model_config, mem_fraction_static=mem_fraction_static, gpu_id=gpu_id,
                     nccl_port=port_args.nccl_port, server_args=server_args)
     r.alloc_memory_pool()
     r.init_attention_backends()

@@ -173,16 +173,28 @@ def check_offline(data_path, manifest):
 # Online: a target producer process feeding a bounded queue
 
 def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, layer_ids,
-                  batch_size, threads, hidden_dtype):
+                  batch_size, threads, hidden_dtype, backend="transformers"):
     """Runs in its own process: for each job (key, sequence ids) compute the target's hidden
     states and put (key, [(aux, final), ...]) in the queue. put() blocks when the queue is full,
-    so the producer runs at most `prefetch` batches ahead of the trainer."""
+    so the producer runs at most `prefetch` batches ahead of the trainer. The target runs in
+    transformers or in SGLang's ModelRunner (sglang_engine.py): same jobs, same order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and ends us
     try:
         torch.set_num_threads(threads)
-        from common import load_target, parse_dtype
-        from generate import target_hidden_states
-        target, _ = load_target(target_name, target_dtype, device)
+        from common import load_target, parse_dtype, resolve_target
+        if backend == "sglang":
+            import sglang_engine  # every SGLang call lives there
+            longest = max((len(seqs[k]) for _, idx in jobs for k in idx), default=1)
+            runner = sglang_engine.runner(resolve_target(target_name), target_dtype,
+                                          max_total_tokens=batch_size * longest + 256,
+                                          gpu_id=torch.device(device).index or 0)
+
+            def target_hidden_states(_, seqs, layer_ids, batch_size):
+                return sglang_engine.hidden_states(runner, seqs, layer_ids, batch_size)
+            target = None
+        else:
+            from generate import target_hidden_states
+            target, _ = load_target(target_name, target_dtype, device)
         hd = parse_dtype(hidden_dtype)
         for key, idx in jobs:
             with torch.inference_mode():
@@ -211,7 +223,7 @@ class Online:
         ids = [s["input_ids"] for s in seqs]
         self.proc = ctx.Process(target=producer_main, daemon=True, args=(
             self.q, self.release, args.target, args.target_dtype, args.device, ids, jobs, layer_ids,
-            args.producer_batch_size, args.producer_threads, args.hidden_dtype))
+            args.producer_batch_size, args.producer_threads, args.hidden_dtype, args.target_backend))
         self.proc.start()
         self.wait = 0.0
 
@@ -652,6 +664,8 @@ def parse_args(argv=None):
                     help="save and stop at this step without changing the schedule (a planned break)")
     # online producer
     ap.add_argument("--target-dtype", default="bfloat16", help="producer's target dtype")
+    ap.add_argument("--target-backend", default="transformers", choices=["transformers", "sglang"],
+                    help="what runs the producer's target (sglang: in-process, sglang_engine.py)")
     ap.add_argument("--hidden-dtype", default="bfloat16",
                     help="dtype of hidden states handed over (the shards store bfloat16)")
     ap.add_argument("--prefetch", type=int, default=4, help="batches the producer may run ahead")
@@ -675,6 +689,8 @@ def check_args(a):
         raise UserError(f"--eval-fraction {a.eval_fraction}: expected in [0, 1)")
     if not 0 <= a.warmup < 1:
         raise UserError(f"--warmup {a.warmup}: expected in [0, 1)")
+    if a.offline and a.target_backend != "transformers":
+        raise UserError("--target-backend runs the online producer; --offline reads stored states")
     if a.resume and a.init:
         raise UserError("--resume continues a run; --init starts a new one: give one of them")
 

@@ -1,0 +1,220 @@
+"""SGLang's own code on this CPU: sglang_engine.py against the pinned sglang==0.5.23 wheel, run by
+SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1; without AMX it falls back to the torch_native
+attention backend and runs layers in plain torch).
+
+Needs the environment of requirements-sglang-cpu.txt (a fresh venv, `pip install --no-deps -r
+requirements-sglang-cpu.txt`); in the default environment every test here is skipped with that
+reason. Two binary packages are replaced by test-only stand-ins (tests/sglang_cpu_shims/README.md):
+`sgl_kernel` (CUDA-only on PyPI; each `*_cpu` name raises if called) and `torchvision` (the PyPI
+build needs CUDA torch). No SGLang Python code is replaced.
+
+Each SGLang ModelRunner lives in its own process: it publishes process-wide config and starts a
+process group, so one per process. Run: python -m pytest -q -k sglang tests
+"""
+import importlib.util
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, make_tiny_target
+
+SHIMS = os.path.join(ROOT, "tests", "sglang_cpu_shims")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None,
+    reason="needs SGLang's CPU environment: pip install --no-deps -r requirements-sglang-cpu.txt "
+           "in a fresh venv (README, SGLang section)")
+
+
+def sglang_env():
+    """Environment for a process that runs SGLang on this CPU."""
+    path = [SHIMS, ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(path),
+                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def in_sglang_process(fn, *args):
+    """fn(*args) in a fresh spawned process set up for SGLang's CPU engine."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_call_with_cpu_engine, (fn, args))
+
+
+def _call_with_cpu_engine(fn, args):
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"   # read when sglang is first imported
+    sys.path.insert(0, SHIMS)
+    torch.set_num_threads(1)
+    return fn(*args)
+
+
+def _capture(target_dir, seqs, layers, dtype, batch_size):
+    """SGLang's capture, one sequence per forward and `batch_size` per forward."""
+    import sglang_engine
+    t0 = time.time()
+    r = sglang_engine.runner(target_dir, dtype, mem_fraction_static=0.1, max_total_tokens=4096)
+    t1 = time.time()
+    alone = sglang_engine.hidden_states(r, seqs, layers, 1)
+    t2 = time.time()
+    batched = sglang_engine.hidden_states(r, seqs, layers, batch_size)
+    return alone, batched, {"runner_s": t1 - t0, "capture_s": t2 - t1}
+
+
+def transformers_states(target, seqs, layers):
+    from generate import target_hidden_states
+    with torch.no_grad():
+        return target_hidden_states(target, seqs, layers, batch_size=1)
+
+
+def max_diff(got, ref):
+    worst = 0.0
+    for (a, f), (ra, rf) in zip(got, ref):
+        assert a.shape == ra.shape and f.shape == rf.shape and a.dtype == ra.dtype
+        worst = max(worst, (a - ra).abs().max().item(), (f - rf).abs().max().item())
+    return worst
+
+
+def check_capture(alone, batched, ref):
+    """One sequence per forward: bit for bit. Batched, SGLang packs sequences into one [sum T, H]
+    matmul; a 1-row sequence alone takes a different BLAS kernel (matrix-vector) than inside a
+    20-row one, so batched states may differ in the last bits (seen: 1e-6 on a 1-token sequence)."""
+    assert max_diff(alone, ref) == 0.0, f"SGLang's capture differs by {max_diff(alone, ref)}"
+    worst = max_diff(batched, ref)
+    assert worst < 1e-5, worst
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process capture equals transformers, float32, bit for bit
+
+def test_sglang_capture_equals_transformers_tiny_llama(tmp_path):
+    target = make_tiny_target(vocab_size=128, hidden_size=64, layers=6, heads=4, kv_heads=2)
+    target.save_pretrained(tmp_path / "tiny")
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 33, 1, 19, 5)]
+    layers = [0, 2, 4]                    # the last capturable layer (L-2) included
+    alone, batched, t = in_sglang_process(_capture, str(tmp_path / "tiny"), seqs, layers,
+                                          "float32", 2)
+    worst = check_capture(alone, batched, transformers_states(target, seqs, layers))
+    print(f"tiny Llama: runner {t['runner_s']:.1f} s, capture {t['capture_s']:.2f} s, "
+          f"alone exact, batched max diff {worst:.1e}")
+
+
+def test_sglang_capture_equals_transformers_default_target():
+    from common import chat_prompt_ids, load_target, resolve_target
+    from model import default_aux_layers
+    target, tok = load_target("default", "float32")
+    layers = default_aux_layers(target.config.num_hidden_layers)   # [1, 14, 26]
+    seqs = [chat_prompt_ids(tok, q) for q in ["What is the capital of France?",
+                                              "Write a haiku about the sea, then explain it."]]
+    seqs.append(seqs[0] + tok("The capital of France is Paris.")["input_ids"])
+    alone, batched, t = in_sglang_process(_capture, resolve_target("default"), seqs, layers,
+                                          "float32", 8)
+    worst = check_capture(alone, batched, transformers_states(target, seqs, layers))
+    print(f"SmolLM2-135M layers {layers}: runner {t['runner_s']:.1f} s, capture "
+          f"{t['capture_s']:.2f} s, alone exact, batched max diff {worst:.1e}")
+
+
+# ----------------------------------------------------------------------------------------------
+# launch_server --device cpu: chat regeneration (generate.py) and bench.py's baseline
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CPU_SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192"]
+
+
+def run(script, *args, env=None, timeout=600):
+    p = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    assert p.returncode == 0, f"{script} failed ({p.returncode}):\n{p.stderr[-3000:]}"
+    return p
+
+
+def test_sglang_server_serves_chat_regeneration(tmp_path):
+    import sglang_engine
+    from bench import Config
+    from common import resolve_target
+    target_dir = resolve_target("default")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [
+        "What is the capital of France?", "Name three colours.", "Count from one to five."]))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = sglang_engine.server_command(target_dir, None, Config(1, 0, 0, 0), "127.0.0.1", port,
+                                       "float32", CPU_SERVER_ARGS)
+    env = sglang_env()
+    t0 = time.time()
+    with sglang_engine.launched_server(cmd, url, 300, str(tmp_path / "server.log"), env=env):
+        print(f"launch_server --device cpu: /health 200 after {time.time() - t0:.0f} s")
+        common = ["--prompts", str(prompts), "--max-new-tokens", "32", "--temperature", "0",
+                  "--dtype", "float32", "--draft-vocab-size", "64", "--fill-vocab",
+                  "--hidden-states", "--hidden-dtype", "float32", "--shard-size", "2"]
+        run("generate.py", "--backend", "sglang", "--server-url", url, "--out",
+            str(tmp_path / "sgl"), *common, env=env)
+    run("generate.py", "--backend", "hf", "--out", str(tmp_path / "hf"), *common, "--batch-size",
+        "1", env=dict(os.environ, OMP_NUM_THREADS="1"))
+    read = [[json.loads(x) for x in open(tmp_path / d / "conversations.jsonl")] for d in ("sgl", "hf")]
+    sgl, hf = ([r["messages"][-1]["content"] for r in rows] for rows in read)
+    assert all(sgl) and sgl == hf, (sgl, hf)   # greedy, float32: the target's own answers
+    # generate.py --backend sglang --hidden-states ran SGLang's in-process capture: same shards
+    from safetensors.torch import load_file
+    shards = sorted(os.listdir(tmp_path / "hf" / "hidden"))
+    assert shards == sorted(os.listdir(tmp_path / "sgl" / "hidden")) and len(shards) == 2
+    for name in shards:
+        a, b = (load_file(tmp_path / d / "hidden" / name) for d in ("hf", "sgl"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sglang_bench_baseline_config(tmp_path):
+    from common import resolve_target
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [
+        "Name a colour.", "Say hello in French."]))
+    common = ["--target", resolve_target("default"), "--benchmark-list", str(prompts),
+              "--config-list", "1,0,0,0", "--dtype", "float32", "--max-new-tokens", "24"]
+    out = tmp_path / "sgl.json"
+    run("bench.py", "--backend", "sglang", *common, "--port", str(free_port()),
+        "--server-args", " ".join(CPU_SERVER_ARGS), "--server-timeout", "300",
+        "--output", str(out), env=sglang_env())
+    ref = tmp_path / "torch.json"
+    run("bench.py", "--backend", "torch", *common, "--no-peers", "--output", str(ref),
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    e = json.loads(out.read_text())["results"][0]
+    r = json.loads(ref.read_text())["results"][0]
+    assert e["config"] == "1,0,0,0" and e["accept_length"] == 1.0 and e["rounds"] is None
+    assert e["prompts"] == 2 and e["mismatches"] == 0 and e["tokens_per_s"] > 0
+    assert e["new_tokens"] == r["new_tokens"] > 0   # same greedy answers' lengths as transformers
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py --target-backend sglang: the online producer
+
+def test_sglang_online_producer_matches_transformers(tmp_path):
+    from test_train import FP32, build_data, final_state, read_log, run_train, save_tiny_target
+    target_dir = save_tiny_target(tmp_path / "target")
+    data = build_data(tmp_path / "data", target_dir, hidden=False)
+    common = ["--data", data, "--batch-size", "2", "--max-steps", "4", "--lr", "1e-3",
+              "--ttt-length", "3", "--eval-every", "4", "--log-every", "1", "--prefetch", "2"] + FP32
+    hf, sgl = str(tmp_path / "hf"), str(tmp_path / "sgl")
+    run_train(common + ["--out", hf])
+    run_train(common + ["--out", sgl, "--target-backend", "sglang"], env=sglang_env())
+    a_log, b_log = read_log(hf) + read_log(hf, "eval"), read_log(sgl) + read_log(sgl, "eval")
+    assert len(a_log) == len(b_log) == 5
+    worst = 0.0
+    for ra, rb in zip(a_log, b_log):   # same batches in the same order, same masks
+        assert (ra["step"], ra["rows"], ra["tokens"]) == (rb["step"], rb["rows"], rb["tokens"])
+        worst = max(worst, abs(ra["loss"] - rb["loss"]) / max(1.0, ra["loss"]))
+    # float32 states are bit-equal (test above), so the runs agree to float32 rounding
+    assert worst < 1e-6, worst
+    a, b = final_state(hf), final_state(sgl)
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], atol=1e-6, rtol=1e-5)
