@@ -72,8 +72,12 @@ class DraftConfig:
             "tie_word_embeddings": False,
             "attention_bias": False,
             "mlp_bias": False,
+            # SGLang reads eagle_config's ids and captures the input of layer i+1 (= output of
+            # layer i). vLLM (0.33.0, checked in tests/test_sglang_contract.py) reads a top-level
+            # key first and captures the input of layer k as given: the same layers are k = i+1.
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],
         }
         for k, v in asdict(self).items():
             if k != "aux_layer_ids":
@@ -84,6 +88,11 @@ class DraftConfig:
     def from_json(cls, d, where=CONFIG_NAME):
         try:
             layers = d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            vllm = d.get("eagle_aux_hidden_state_layer_ids")  # vLLM's convention: i + 1
+            if vllm is not None and list(vllm) != [i + 1 for i in layers]:
+                raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of "
+                                f"layer k) and eagle_config's {layers} (SGLang, output of layer i) "
+                                f"name different layers; expected k = i + 1")
             kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "aux_layer_ids"}
             if "head_dim" not in kw:
                 kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]

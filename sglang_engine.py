@@ -107,8 +107,8 @@ def http_json(url, payload=None, timeout=600):
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            body = r.read()
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
     except urllib.error.HTTPError as e:
         raise UserError(f"{url}: HTTP {e.code} {e.read()[:200]!r}")
     except (urllib.error.URLError, OSError) as e:
@@ -122,8 +122,8 @@ def http_json(url, payload=None, timeout=600):
 def healthy(base_url):
     """/health is 503 while the server starts and 200 once a one-token round trip worked."""
     try:
-        with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
-            return r.status == 200
+        with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
+            return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
@@ -175,10 +175,11 @@ def launched_server(cmd, base_url, timeout, log_path, env=None):
 
 def generate(base_url, ids, sampling, timeout=3600):
     """One request to the native /generate endpoint; returns (text, meta_info)."""
-    r = http_json(base_url + "/generate", {"input_ids": ids, "sampling_params": sampling}, timeout)
-    if not isinstance(r, dict) or not isinstance(r.get("meta_info"), dict):
+    reply = http_json(base_url + "/generate", {"input_ids": ids, "sampling_params": sampling},
+                      timeout)
+    if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
         raise UserError(f"{base_url}/generate: unexpected reply (no meta_info)")
-    return r.get("text", ""), r["meta_info"]
+    return reply.get("text", ""), reply["meta_info"]
 
 
 def metrics(metas, wall):
@@ -211,8 +212,8 @@ def chat_completion(url, model_name, messages, max_tokens, temperature, top_p, t
                                  data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            reply = json.loads(r.read())
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            reply = json.loads(resp.read())
     except urllib.error.HTTPError as e:
         raise UserError(f"--server-url {url}: HTTP {e.code} ({e.read()[:200]!r})")
     except (urllib.error.URLError, OSError) as e:
@@ -260,7 +261,8 @@ def fill_http(url, model_name, skeletons, max_new_tokens, temperature, top_p, co
 #   - ForwardBatch.init_new(batch, runner, *, capture_hidden_mode, return_hidden_states_before_norm)
 #     takes the ScheduleBatch itself (get_model_worker_batch is gone).
 
-def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_tokens=None, gpu_id=0):
+def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_tokens=None,
+           gpu_id=0):
     """An in-process SGLang ModelRunner on one device (tp 1), set up as one_batch.py does.
     One per process: it publishes process-wide config and starts a (1-rank) process group.
     `max_total_tokens` caps the KV pool (the online producer shares the GPU with the trainer)."""
@@ -295,8 +297,8 @@ def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_toke
     bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device,
                                     dist_port=port_args.nccl_port)
     bootstrap.init_layer_runtime(model_config=model_config)
-    r = ModelRunner(model_config=model_config, mem_fraction_static=mem_fraction_static, gpu_id=gpu_id,
-                    nccl_port=port_args.nccl_port, server_args=server_args)
+    r = ModelRunner(model_config=model_config, mem_fraction_static=mem_fraction_static,
+                    gpu_id=gpu_id, nccl_port=port_args.nccl_port, server_args=server_args)
     r.alloc_memory_pool()
     r.init_attention_backends()
     r.init_cuda_graphs()                # a no-op with disable_cuda_graph; kept as one_batch.py has it
