@@ -18,8 +18,8 @@ Which capture route, and why in-process. 0.5.23 has a public route: launch the s
 `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
 --return-aux-hidden-state-layer-ids 1 14 26` (add `--disable-radix-cache`, or tokens of a cached
 prefix are left out) and ask `/generate` with `return_hidden_states: true`; the aux states come back
-per token in `meta_info` as JSON lists of floats. It returns the same tensors (checked on CPU), and it
-survives internal refactors. The project uses the in-process route because of size: the states are
+per token in `meta_info` as JSON lists of floats. It returns the same tensors (float32, bit for
+bit: tests/test_sglang_cpu.py), and it survives internal refactors. The project uses the in-process route because of size: the states are
 3*Ht floats per token (Kimi-K2: 3*7168 = 21.5k values, ~200 KB of JSON text per token, so a 2k-token
 sequence is ~400 MB of text to print, send and parse) against a tensor handed over in memory, and
 because the producer needs the final-normed state too (for the target's logits), which the public

@@ -201,6 +201,31 @@ def test_sglang_bench_baseline_config(tmp_path):
     assert e["new_tokens"] == n, (e["new_tokens"], n)
 
 
+def test_sglang_public_aux_route_returns_the_same_states(tmp_path):
+    """The route sglang_engine.py weighs against in-process capture (and does not use): the same
+    float32 states, as per-token JSON lists in meta_info."""
+    import sglang_engine
+    from bench import Config
+    from common import chat_prompt_ids, load_target, resolve_target
+    target, tok = load_target("default", "float32")
+    layers = [1, 14, 26]
+    ids = chat_prompt_ids(tok, "What is the capital of France?")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = sglang_engine.server_command(resolve_target("default"), None, Config(1, 0, 0, 0),
+                                       "127.0.0.1", port, "float32", CPU_SERVER_ARGS + [
+        "--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+        "--return-aux-hidden-state-layer-ids", *map(str, layers), "--disable-radix-cache"])
+    with sglang_engine.launched_server(cmd, url, 300, str(tmp_path / "server.log"),
+                                       env=sglang_env()):
+        reply = sglang_engine.http_json(url + "/generate", {
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_hidden_states": True})
+    got = torch.tensor(reply["meta_info"]["hidden_states"][0])   # [prompt tokens, 3*H]
+    (ref, _), = transformers_states(target, [ids], layers)
+    assert got.shape == ref.shape and torch.equal(got, ref)
+
+
 # ----------------------------------------------------------------------------------------------
 # train.py --target-backend sglang: the online producer
 
