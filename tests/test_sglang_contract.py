@@ -668,3 +668,19 @@ def test_d2t_offsets_match_both_engines(checkpoint, tmp_path):
     draft.save_pretrained(str(tmp_path))
     sd = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(sd["d2t"] + torch.arange(4), ids) and sd["t2d"].sum() == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# User errors on the SGLang paths (no SGLang call needed)
+
+def test_sglang_paths_fail_with_one_line_errors(monkeypatch):
+    import sglang_engine
+    import train
+    from common import UserError
+    args = train.parse_args(["--data", "d", "--out", "o", "--offline", "--target-backend", "sglang"])
+    with pytest.raises(UserError, match="--target-backend"):
+        train.check_args(args)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)   # the CPU engine is opt-in
+    if not torch.cuda.is_available():   # without sglang, or with it but no GPU: one clear line
+        with pytest.raises(UserError, match="--backend sglang needs"):
+            sglang_engine.require_sglang()
