@@ -119,6 +119,50 @@ def test_sglang_capture_equals_transformers_default_target():
           f"{t['capture_s']:.2f} s, alone exact, batched max diff {worst:.1e}")
 
 
+def _sglang_draft_params(draft_dir):
+    import sglang_engine
+    r = sglang_engine.runner(draft_dir, "float32", mem_fraction_static=0.1, max_total_tokens=1024)
+    return {k: v.detach().clone() for k, v in r.model.named_parameters()}, r.model.hot_token_id
+
+
+def test_sglang_loader_takes_every_draft_tensor(tmp_path):
+    """SGLang's own LlamaForCausalLMEagle3.load_weights on a checkpoint model.py wrote: every
+    tensor lands in its parameter (q/k/v and gate/up fused), d2t becomes hot_token_id. SGLang
+    ignores unknown names silently, so equality of every parameter is the check."""
+    from safetensors.torch import load_file
+    from model import Eagle3Draft, config_from_target
+    target = make_tiny_target(vocab_size=128, hidden_size=64, layers=6, heads=4, kv_heads=2)
+    cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=[0, 2, 4])
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    with torch.no_grad():   # distinct random values everywhere, so a mix-up cannot pass
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.normal_()
+    draft.set_vocab(torch.arange(0, 96, 2))
+    draft.save_pretrained(str(tmp_path / "draft"), dtype=torch.float32)
+    ours = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    params, hot = in_sglang_process(_sglang_draft_params, str(tmp_path / "draft"))
+    cat = torch.cat
+    m = "midlayer."
+    want = {
+        "lm_head.weight": ours["lm_head.weight"], "model.fc.weight": ours["fc.weight"],
+        "model.norm.weight": ours["norm.weight"],
+        "model.layers.0.self_attn.qkv_proj.weight": cat([ours[m + f"self_attn.{x}_proj.weight"]
+                                                         for x in "qkv"]),
+        "model.layers.0.mlp.gate_up_proj.weight": cat([ours[m + "mlp.gate_proj.weight"],
+                                                       ours[m + "mlp.up_proj.weight"]]),
+    }
+    for n in ["hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
+              "mlp.down_proj"]:
+        want[f"model.layers.0.{n}.weight"] = ours[f"{m}{n}.weight"]
+    # the embedding is not in the checkpoint (H == Ht): SGLang swaps in the target's
+    assert set(params) == set(want) | {"model.embed_tokens.weight"}
+    for k, v in want.items():   # lm_head is padded to a multiple of 64 rows by ParallelLMHead
+        assert torch.equal(params[k][:v.shape[0]], v) and not params[k][v.shape[0]:].any(), k
+    assert torch.equal(hot, torch.arange(0, 96, 2))
+
+
 # ----------------------------------------------------------------------------------------------
 # launch_server --device cpu: chat regeneration (generate.py) and bench.py's baseline
 
