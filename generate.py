@@ -166,10 +166,11 @@ OPENINGS = ["", "", "", "How", "How do I", "What", "What is", "What are", "Why",
 SENTINEL = "\u2063USER_MESSAGE\u2063"
 
 
-def user_turn_prefix(tok):
-    """The rendered text up to where the first user message would start (system prompt included:
-    the template's default, so synthesised prompts match what the model sees at serving time)."""
-    text = tok.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+def user_turn_prefix(tok, messages=()):
+    """The rendered text up to where the next user message would start, after `messages` (none:
+    the first turn, system prompt included, as the model sees it at serving time)."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tok.apply_chat_template(msgs + [{"role": "user", "content": SENTINEL}], tokenize=False)
     i = text.find(SENTINEL)
     if i < 0:
         raise UserError("the chat template drops the user message; cannot synthesise prompts")
@@ -266,10 +267,12 @@ def synthesize_prompts(model, tok, n, path, seed, batch_size, max_new_tokens, te
 # ----------------------------------------------------------------------------------------------
 # 2. Regenerate: the target answers every user turn itself
 
-def skeleton(conv):
+def skeleton(conv, followups=0):
     """The turns kept from a source conversation: system and user messages, with a None hole
     wherever an assistant answered (and after a final user turn). The holes get the target's
-    own answers; the source's answers are thrown away."""
+    own answers; the source's answers are thrown away. `followups` adds that many more rounds of
+    a user hole ({"role": "user", "content": None}: the target writes the user's next message)
+    and an answer hole."""
     out = []
     for m in conv:
         if m["role"] == "assistant":
@@ -279,27 +282,52 @@ def skeleton(conv):
             out.append(dict(m))
     if out and out[-1] is not None and out[-1]["role"] == "user":
         out.append(None)
+    for _ in range(followups):
+        out += [{"role": "user", "content": None}, None]
     return out
 
 
-def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed):
+def open_hole(conv):
+    """Index of the first hole of a conversation (an answer or a follow-up to write), or None."""
+    return next((j for j, m in enumerate(conv) if m is None or m["content"] is None), None)
+
+
+def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed, followup=None):
     """Fill the holes of a chunk of conversations, batched over conversations turn by turn: each
-    round answers the next open turn of every conversation that still has one."""
+    round fills the next open hole of every conversation that still has one.
+
+    Answer holes: the target answers (greedy at temperature 0). Follow-up user holes (Magpie, one
+    turn later): the target is fed the conversation so far plus the template's user-turn header and
+    samples what the user says next, with `followup` = (max_new_tokens, temperature, top_p); a
+    follow-up that comes out empty, cut off or degenerate ends the conversation there."""
     from common import chat_prompt_ids, stop_token_ids
     stop_ids = stop_token_ids(tok, model.config)
     convs = [list(s) for s in skeletons]
     rnd = 0
     while True:
-        todo = [(i, c.index(None)) for i, c in enumerate(convs) if None in c]
+        todo = [(i, open_hole(c)) for i, c in enumerate(convs) if open_hole(c) is not None]
         if not todo:
             break
         torch.manual_seed(seed * 1_000_003 + rnd)
-        prompts = [chat_prompt_ids(tok, convs[i][:j]) for i, j in todo]
-        outs = hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids)
-        for (i, j), (ids, finished) in zip(todo, outs):
-            convs[i][j] = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
-            if not finished:
-                convs[i][j]["truncated"] = True  # hit --max-new-tokens; the target had more to say
+        answers = [(i, j) for i, j in todo if convs[i][j] is None]
+        users = [(i, j) for i, j in todo if convs[i][j] is not None]
+        if answers:
+            prompts = [chat_prompt_ids(tok, convs[i][:j]) for i, j in answers]
+            outs = hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids)
+            for (i, j), (ids, finished) in zip(answers, outs):
+                convs[i][j] = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
+                if not finished:
+                    convs[i][j]["truncated"] = True  # hit --max-new-tokens; the target had more to say
+        if users:
+            prompts = [tok(user_turn_prefix(tok, convs[i][:j]), add_special_tokens=False)["input_ids"]
+                       for i, j in users]
+            outs = hf_generate(model, tok, prompts, *followup, stop_ids)
+            for (i, j), (ids, finished) in zip(users, outs):
+                text = clean_prompt(tok.decode(ids, skip_special_tokens=True)) if finished else None
+                if text is None:
+                    convs[i] = convs[i][:j]       # no usable follow-up: the conversation ends here
+                else:
+                    convs[i][j] = {"role": "user", "content": text}
         rnd += 1
     return convs
 
@@ -787,6 +815,9 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=0.7, help="regeneration temperature")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated turn")
+    ap.add_argument("--followups", type=int, default=0, metavar="K",
+                    help="multi-turn data: after each answer the target writes the user's next "
+                         "message (Magpie) and answers it, K more times (hf backend)")
     ap.add_argument("--synth-temperature", type=float, default=1.0)
     ap.add_argument("--synth-top-p", type=float, default=0.95)
     ap.add_argument("--synth-max-new-tokens", type=int, default=64,
@@ -813,6 +844,11 @@ def check_args(args):
                  "synth_max_new_tokens", "synth_batch_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.followups < 0:
+        raise UserError(f"--followups {args.followups}: expected >= 0")
+    if args.followups and (args.backend != "hf" or not args.regenerate):
+        raise UserError("--followups needs --backend hf and regeneration: the target writes the "
+                        "follow-up user turns from raw text, which a chat endpoint cannot do")
     if args.synthesize is not None and args.synthesize < 1:
         raise UserError("--synthesize N needs N >= 1")
     if args.limit is not None and args.limit < 1:
@@ -898,6 +934,8 @@ def main(argv=None):
     old = check_out_dir(out, args.target, tok_hash)
     regen = {"regenerate": args.regenerate, "backend": args.backend, "temperature": args.temperature,
              "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    if args.followups:   # (absent when 0, so data sets made before the flag resume unchanged)
+        regen["followups"] = args.followups
     started = os.path.exists(os.path.join(out, CONVERSATIONS)) and os.path.getsize(
         os.path.join(out, CONVERSATIONS)) > 0  # answers written under the old settings
     if old and started and old.get("regeneration", regen) != regen:
@@ -919,11 +957,12 @@ def main(argv=None):
     # --- 2. regenerate
     cpath = os.path.join(out, CONVERSATIONS)
     if args.regenerate:
-        skeletons = [skeleton(c) for c in convs]
+        skeletons = [skeleton(c, args.followups) for c in convs]
         if args.backend == "hf":
             def fill(chunk, start):
                 return fill_hf(target, tok, chunk, args.max_new_tokens, args.temperature,
-                               args.top_p, args.seed * 1_000_003 + start)
+                               args.top_p, args.seed * 1_000_003 + start,
+                               (args.synth_max_new_tokens, args.synth_temperature, args.synth_top_p))
             chunk = args.batch_size
         else:
             def fill(chunk, start):

@@ -279,30 +279,47 @@ def collate(seqs, idx, hidden, device):
     return ids.to(device), mask.to(device), aux.to(device), final.to(device)
 
 
+@torch.no_grad()
+def feature_rms(target, sequences, layer_ids):
+    """Typical per-row RMS of each captured layer [3], measured on a few sequences: the median
+    over rows, since the first row of a sequence (an attention sink) can be 100x the rest."""
+    from generate import target_hidden_states
+    aux = torch.cat([a for a, _ in target_hidden_states(target, sequences, layer_ids)]).float()
+    return aux.view(aux.shape[0], 3, -1).pow(2).mean(-1).sqrt().median(0).values
+
+
 # ----------------------------------------------------------------------------------------------
 # The target's side of the loss: its next-token distribution from the stored final hidden state
 
 @torch.no_grad()
-def target_side(final, lm_head_w, draft_ids, t2d, need=None, chunk=1024):
+def target_side(final, lm_w_draft, need=None, in_vocab=None, lm_w=None, t2d=None, chunk=1024):
     """final [B, T, Ht] (post-final-norm) -> the target's next-token distribution at every
     position, over the draft vocabulary (softmax restricted to it and renormalised) as probs
     [B*T, Vd] fp32, its argmax [B*T] as a draft id, and in_vocab [B, T]: is the target's argmax
-    over the FULL vocabulary inside the draft vocabulary. Only rows in `need` [B, T] (default all)
-    are computed, the rest left zero/False: the full-vocabulary product is the costliest part of a
-    row, and prompt rows and padding never reach the loss. Chunked so the [rows, V] logits never
-    exist for the whole batch at once."""
+    over the FULL vocabulary inside the draft vocabulary.
+
+    The soft labels need only the draft vocabulary's rows of lm_head (lm_w_draft [Vd, Ht]); the
+    full [V, Ht] product is needed once per sequence, for the one bit in_vocab. Pass in_vocab
+    (remembered from an earlier epoch) and it is skipped: for an 8k draft vocabulary of a 49k
+    target that is 6x less vocabulary work per row. Only rows in `need` [B, T] (default all) are
+    computed, the rest left zero/False: prompt rows and padding never reach the loss. Chunked so
+    no [rows, V] logits exist for the whole batch at once."""
     B, T, Ht = final.shape
     flat = final.reshape(-1, Ht)
     rows = (torch.arange(B * T, device=final.device) if need is None
             else need.reshape(-1).nonzero().squeeze(1))
-    probs = torch.zeros(B * T, len(draft_ids), device=final.device)
+    probs = torch.zeros(B * T, lm_w_draft.shape[0], device=final.device)
     inv = torch.zeros(B * T, dtype=torch.bool, device=final.device)
     for i in range(0, rows.numel(), chunk):
         r = rows[i:i + chunk]
-        full = flat[r].to(lm_head_w.dtype) @ lm_head_w.T           # [rows, V]
-        inv[r] = t2d[full.argmax(-1)]
-        probs[r] = torch.softmax(full[:, draft_ids].float(), -1)
+        x = flat[r].to(lm_w_draft.dtype)
+        probs[r] = torch.softmax((x @ lm_w_draft.T).float(), -1)
+        if in_vocab is None:
+            inv[r] = t2d[(x @ lm_w.T).argmax(-1)]                # [rows, V]: the costly product
+    if in_vocab is not None:
+        return probs, probs.argmax(-1), in_vocab if need is None else in_vocab & need
     return probs, probs.argmax(-1), inv.view(B, T)
+    return probs, probs.argmax(-1), inv
 
 
 def shift_left(x, k, fill=0):
@@ -627,6 +644,9 @@ def parse_args(argv=None):
     ap.add_argument("--target", default=None, help="target model; default: the manifest's")
     ap.add_argument("--offline", action="store_true", help="read stored hidden states instead "
                     "of running the target concurrently")
+    ap.add_argument("--fc-init", default="normal", choices=["normal", "rms"],
+                    help="fc's initialisation: std 0.02 (normal), or scaled to the captured "
+                         "layers' RMS so fc(aux) starts at RMS ~1 (rms)")
     ap.add_argument("--init", default=None, help="start from this draft directory's weights")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     ap.add_argument("--ttt-length", type=int, default=7)
@@ -732,9 +752,16 @@ def main(argv=None):
             torch.manual_seed(args.seed)
             draft = Eagle3Draft(cfg, embed)
             draft.set_vocab(vocab["draft_ids"])
+            if args.fc_init == "rms":
+                rms = feature_rms(target, [s["input_ids"] for s in seqs[:8]], manifest["aux_layer_ids"])
+                draft.init_fc_for_features(rms)
+                if rank == 0:
+                    print(f"fc init for feature RMS {' / '.join(f'{r:.2f}' for r in rms.tolist())} "
+                          f"(layers {manifest['aux_layer_ids']})", file=sys.stderr)
         del target
         draft_ids = vocab["draft_ids"].to(device)
         t2d = draft.t2d.clone().to(device)
+        lm_w_draft = lm_w[draft_ids].contiguous()   # [Vd, Ht]: all the soft labels need
 
         # ---- data split and schedule ----
         train_ids, eval_ids = split_data(len(seqs), args.eval_fraction, args.seed)
@@ -807,12 +834,23 @@ def main(argv=None):
         autocast = torch.autocast(device.split(":")[0], dtype=compute_dtype,
                                   enabled=compute_dtype != torch.float32)
 
+        in_vocab_seen = {}   # sequence -> in_vocab [T]: the one bit that needs the full lm_head
+
         def prepare(key, idx):
             ids, mask, aux, final = collate(seqs, idx, hidden_for(key, idx), device)
+            known = None
+            if all(k in in_vocab_seen for k in idx):
+                known = torch.zeros_like(mask)
+                for b, k in enumerate(idx):
+                    known[b, :len(in_vocab_seen[k])] = in_vocab_seen[k]
             with autocast:
                 # the target at p is needed only where x[p+1] is a loss token (valid_rows)
-                targ_p, targ_argmax, in_vocab = target_side(final, lm_w, draft_ids, t2d,
-                                                            need=shift_left(mask, 1, False))
+                targ_p, targ_argmax, in_vocab = target_side(final, lm_w_draft,
+                                                            need=shift_left(mask, 1, False),
+                                                            in_vocab=known, lm_w=lm_w, t2d=t2d)
+            if known is None:
+                for b, k in enumerate(idx):
+                    in_vocab_seen[k] = in_vocab[b, :len(seqs[k]["input_ids"])].clone()
             valid = valid_rows(mask, in_vocab, args.ttt_length)
             return ids, mask, aux, targ_p, targ_argmax, valid
 

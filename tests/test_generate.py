@@ -327,6 +327,42 @@ def test_hf_regeneration_batched_equals_one_by_one_and_sees_earlier_answers(tiny
     assert tok.decode(ids).count(batched[0][1]["content"]) == 1
 
 
+def test_followups_make_multi_turn_conversations(tiny_dir, monkeypatch):
+    """--followups: the target writes the user's next message after seeing the conversation so far
+    (rendered, then the template's user header), then answers it; an unusable follow-up ends the
+    conversation there. hf_generate is replaced by a scripted one to see exactly what it is fed."""
+    from common import load_target
+    target, tok = load_target(tiny_dir)
+    fed = []
+
+    def fake(model, tok_, prompts, max_new_tokens, temperature, top_p, stop_ids):
+        out = []
+        for p in prompts:
+            text = tok.decode(p)
+            fed.append((text, max_new_tokens, temperature))
+            if text.endswith("<|im_start|>user\n"):     # a follow-up: usable unless asked "bad"
+                reply = "ok" if "bad" in text else "Tell me more about that topic please"
+            else:
+                reply = f"answer {len(fed)}"
+            out.append((tok(reply, add_special_tokens=False)["input_ids"], True))
+        return out
+    monkeypatch.setattr(generate, "hf_generate", fake)
+    sks = [generate.skeleton([{"role": "user", "content": "Why is the sky blue?"}], followups=2),
+           generate.skeleton([{"role": "user", "content": "A bad question here"}], followups=2)]
+    assert sks[0][2:] == [{"role": "user", "content": None}, None] * 2
+    convs = generate.fill_hf(target, tok, sks, 7, 0.0, 1.0, 0, followup=(48, 1.0, 0.95))
+    good, bad = convs
+    assert [m["role"] for m in good] == ["user", "assistant"] * 3
+    assert good[2]["content"] == good[4]["content"] == "Tell me more about that topic please"
+    assert [m["role"] for m in bad] == ["user", "assistant"]     # "ok" is too short: ends there
+    # a follow-up is sampled with the synthesis settings on top of the whole conversation so far
+    follow = [f for f in fed if f[0].endswith("<|im_start|>user\n")]
+    assert follow[0][1:] == (48, 1.0) and good[1]["content"] in follow[0][0]
+    # the answer to a follow-up sees it, with the generation prompt, greedy at the answer cap
+    last = [f for f in fed if good[2]["content"] in f[0] and f[0].endswith("assistant\n")]
+    assert last and last[0][1:] == (7, 0.0)
+
+
 class FakeOpenAI(http.server.BaseHTTPRequestHandler):
     """A stand-in for SGLang's /v1/chat/completions that records what it was sent."""
     seen = []

@@ -205,7 +205,7 @@ def test_target_side_and_masks():
     draft_ids = torch.tensor([1, 3, 4, 8])
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[draft_ids] = True
-    p, am, inv = train.target_side(final, W, draft_ids, t2d, chunk=4)
+    p, am, inv = train.target_side(final, W[draft_ids], lm_w=W, t2d=t2d, chunk=4)
     full = final @ W.T
     assert torch.allclose(p.sum(-1), torch.ones(6))
     assert torch.allclose(p, torch.softmax(full[0][:, draft_ids], -1), atol=1e-6)
@@ -275,13 +275,17 @@ def test_target_side_only_needed_rows():
     t2d[draft_ids] = True
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]], dtype=torch.bool)
     need = train.shift_left(mask, 1, False)
-    p, am, inv = train.target_side(final, W, draft_ids, t2d, chunk=3)
-    p2, am2, inv2 = train.target_side(final, W, draft_ids, t2d, need=need, chunk=3)
+    p, am, inv = train.target_side(final, W[draft_ids], lm_w=W, t2d=t2d, chunk=3)
+    p2, am2, inv2 = train.target_side(final, W[draft_ids], need=need, lm_w=W, t2d=t2d, chunk=3)
     rows = need.reshape(-1)
     assert torch.allclose(p2[rows], p[rows], atol=1e-6) and torch.equal(am2[rows], am[rows])
     assert not p2[~rows].any()
     # every row the loss reads is the same
     assert torch.equal(train.valid_rows(mask, inv2, 3), train.valid_rows(mask, inv, 3))
+    # a later epoch passes the remembered in_vocab bit and skips the full lm_head: same outputs
+    # (the full product is not even available to it)
+    p3, am3, inv3 = train.target_side(final, W[draft_ids], need=need, in_vocab=inv, chunk=3)
+    assert torch.equal(p3, p2) and torch.equal(am3, am2) and torch.equal(inv3, inv2)
 
 
 # ----------------------------------------------------------------------------------------------
