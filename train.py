@@ -396,9 +396,9 @@ class TTTLoss(nn.Module):
     """The unit FSDP2 shards: its forward is one TTT unroll and its loss, so FSDP's hooks gather
     the draft's parameters around exactly this computation and reduce-scatter its gradients."""
 
-    def __init__(self, draft, ttt_length):
+    def __init__(self, draft, ttt_length, accept_weight=0.0):
         super().__init__()
-        self.draft, self.J = draft, ttt_length
+        self.draft, self.J, self.accept_weight = draft, ttt_length, accept_weight
 
     def forward(self, ids, aux, targ_p, targ_argmax, valid, denom, scale):
         """targ_p [B*T, Vd], targ_argmax [B*T]: the target at every position (target_side);
@@ -417,7 +417,13 @@ class TTTLoss(nn.Module):
             p = targ_p[rows + j + 1]                                  # the target at t+j+1
             # soft cross-entropy -sum p log softmax(lg) = logsumexp(lg) - p.lg, since sum p = 1
             ce_sum = (torch.logsumexp(lg, -1) - (p * lg).sum(-1)).sum()
-            loss = loss + LOSS_DECAY ** j * ce_sum / denom[j].clamp_min(1) * scale
+            obj = ce_sum
+            if self.accept_weight:
+                # sum_x min(p, q) is the chance that a sampled draft token is accepted (it is
+                # 1 - TV(p, q)); -log of it aims at acceptance directly, not at all of p
+                acc = torch.minimum(p, torch.softmax(lg, -1)).sum(-1).clamp_min(1e-6)
+                obj = obj + self.accept_weight * -torch.log(acc).sum()
+            loss = loss + LOSS_DECAY ** j * obj / denom[j].clamp_min(1) * scale
             ok = lg.argmax(-1) == targ_argmax[rows + j + 1]
             correct[j, rows] = ok
             stats[0, j] = ce_sum.detach()
@@ -653,6 +659,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
+    ap.add_argument("--accept-loss", type=float, default=0.0, metavar="W",
+                    help="add W x -log sum_x min(p, q) (acceptance) to the soft cross-entropy")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, share of --lr")
     ap.add_argument("--warmup", type=float, default=0.015, help="warmup share of the steps")
@@ -687,6 +695,8 @@ def check_args(a):
                  "prefetch", "producer_batch_size", "producer_threads"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(a, name)}: expected >= 1")
+    if not a.accept_loss >= 0 or not math.isfinite(a.accept_loss):
+        raise UserError(f"--accept-loss {a.accept_loss}: expected >= 0")
     if not a.lr > 0 or not math.isfinite(a.lr):
         raise UserError(f"--lr {a.lr}: expected > 0")
     if a.max_steps is not None and a.max_steps < 1:
@@ -779,7 +789,7 @@ def main(argv=None):
         # ---- model, FSDP2, optimizer ----
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        module = TTTLoss(draft.to(device), args.ttt_length)
+        module = TTTLoss(draft.to(device), args.ttt_length, args.accept_loss)
         mesh = init_device_mesh(device.split(":")[0], (world,))
         fully_shard(module, mesh=mesh)
         params = [p for p in module.parameters() if p.requires_grad]

@@ -181,6 +181,34 @@ def test_ttt_matches_step_by_step_decoding():
     assert worst < 1e-4, worst
 
 
+def test_accept_loss_adds_minus_log_acceptance():
+    """--accept-loss W: each step's objective is the soft CE plus W * -log sum_x min(p, q), over the
+    same valid rows with the same 0.8**j weights; W = 0 is the plain CE."""
+    draft = tiny_draft()
+    B, T, J = 2, 9, 3
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
+    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
+    valid = torch.rand(J, B, T, generator=g) < 0.7
+    for j in range(J):
+        valid[j, :, T - j - 2:] = False              # as valid_rows: no target past the end
+    denom = valid.sum((1, 2)).float()
+    args = (ids, aux, targ_p, targ_p.argmax(-1), valid, denom, 1.0)
+    with torch.no_grad():
+        ce, st, _ = train.TTTLoss(draft, J)(*args)
+        mixed, st2, _ = train.TTTLoss(draft, J, accept_weight=0.5)(*args)
+        extra = 0.0
+        for j, h2 in enumerate(train.ttt_unroll(draft, ids, aux, J)):
+            rows = valid[j].reshape(-1).nonzero().squeeze(1)
+            q = torch.softmax(draft.lm_head(draft.norm(h2.reshape(B * T, -1)[rows])), -1)
+            a = torch.minimum(targ_p[rows + j + 1], q).sum(-1)
+            extra += 0.8 ** j * -torch.log(a).sum() / denom[j]
+    assert torch.equal(st, st2)                      # statistics are the CE's, unchanged
+    assert extra > 0.1
+    assert abs((mixed - ce - 0.5 * extra).item()) < 1e-5
+
+
 def test_ttt_attention_is_not_trivially_causal():
     """Guard for the test above: the own-row keys of later steps must change the result (if the
     diagonal terms were dropped, step j >= 1 would differ from the reference)."""
