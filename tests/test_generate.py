@@ -470,6 +470,11 @@ def test_cli_user_mistakes(tmp_path, tiny_dir, smol_tok):
     assert not os.path.exists(tmp_path / "o3" / "sequences.jsonl")  # nothing half-written
     with pytest.raises(UserError, match="--aux-layers"):
         run_cli(tiny_dir, tmp_path / "o4", prompts, "--aux-layers", "1", "2", "7")
+    with pytest.raises(UserError, match="--followups needs --backend hf"):
+        run_cli(tiny_dir, tmp_path / "o4b", prompts, "--followups", "1", "--backend", "sglang",
+                "--server-url", "http://127.0.0.1:9")
+    with pytest.raises(UserError, match="--followups -1"):
+        run_cli(tiny_dir, tmp_path / "o4c", prompts, "--followups", "-1")
     notempl = tmp_path / "no-template"
     import shutil
     shutil.copytree(tiny_dir, notempl)
