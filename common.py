@@ -198,7 +198,6 @@ def load_target_heads(target=DEFAULT_TARGET, trust_remote_code=False):
     (Kimi-K2: 2 x 163840 x 7168 fp32 = 9.4 GB instead of ~4 TB). Falls back to loading the model
     when the files are not local safetensors with one embed_tokens and one lm_head tensor."""
     import glob
-    import torch
     path = resolve_target(target)
     tok = load_tokenizer(target, trust_remote_code)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
@@ -211,8 +210,13 @@ def load_target_heads(target=DEFAULT_TARGET, trust_remote_code=False):
                     for want in ("embed_tokens.weight", "lm_head.weight"):
                         if k == want or k.endswith("." + want):
                             found.setdefault(want, []).append((f, k))
-    emb = found.get("embed_tokens.weight", [])
-    head = found.get("lm_head.weight", [])
+    def shallowest(cands):
+        # DeepSeek-V3's multi-token-prediction layer has its own model.layers.61.embed_tokens:
+        # the model's own tensor is the least nested one; a tie is ambiguous
+        cands = sorted(cands, key=lambda fk: fk[1].count("."))
+        return cands[:1] if len(cands) < 2 or cands[0][1].count(".") < cands[1][1].count(".") else cands
+    emb = shallowest(found.get("embed_tokens.weight", []))
+    head = shallowest(found.get("lm_head.weight", []))
     config = load_config(target, trust_remote_code)
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
     if len(emb) != 1 or len(head) > 1 or (not head and not tied):

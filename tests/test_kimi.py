@@ -111,6 +111,35 @@ def test_loaders_pass_trust_remote_code(monkeypatch):
                     ("AutoModelForCausalLM", False)]
 
 
+def test_trainer_reads_only_embedding_and_lm_head(tmp_path, monkeypatch):
+    """load_target_heads reads the two [V, H] matrices from the safetensors files (a 1T-parameter
+    target must not be loaded whole by every trainer process): the same tensors as the loaded
+    model's, tied or not, and not fooled by DeepSeek-V3's extra multi-token-prediction embedding."""
+    import common
+    from conftest import make_tiny_target
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    for tied in (False, True):
+        d = tmp_path / f"t{int(tied)}"
+        t = make_tiny_target(vocab_size=64)
+        t.config.tie_word_embeddings = tied
+        if tied:
+            t.tie_weights()
+        t.save_pretrained(d)
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(64)},
+                                unk_token="t0")), unk_token="t0").save_pretrained(d)
+        save_file({"model.layers.61.embed_tokens.weight": torch.zeros(64, 32)}, d / "mtp.safetensors")
+        ref, _ = common.load_target(str(d))
+        monkeypatch.setattr(common, "load_target", lambda *a, **k: pytest.fail("loaded the model"))
+        heads, tok = common.load_target_heads(str(d))
+        monkeypatch.undo()
+        assert torch.equal(heads.get_input_embeddings().weight, ref.get_input_embeddings().weight)
+        assert torch.equal(heads.get_output_embeddings().weight, ref.get_output_embeddings().weight)
+        assert heads.config.vocab_size == 64 and tok is not None
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,3 +244,25 @@ def test_kimi_like_target_end_to_end(tmp_path, monkeypatch):
         summary = json.loads(out.read_text())["summary"]
         assert summary["mismatches"] == 0 and summary["prompts"] == 6
     assert load_draft_for(draft, target).config.head_dim == 8
+
+    # model.py and bench.py pass the flag on too (bench: up to loading the target, then stopped)
+    import bench
+    import model
+    with pytest.raises(UserError, match="--trust-remote-code"):
+        model.main(["--target", tdir, "--dry-run"])
+    model.main(["--target", tdir, "--dry-run", "--trust-remote-code", "--draft-vocab-size", "48"])
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_load_target(*a, **kw):
+        seen.append(kw.get("trust_remote_code", a[3] if len(a) > 3 else None))
+        raise Stop
+    import common
+    monkeypatch.setattr(common, "load_target", fake_load_target)
+    with pytest.raises(Stop):
+        bench.main(["--target", tdir, "--draft", draft, "--trust-remote-code", "--benchmark-list",
+                    f"{prompts}:2", "--config-list", "1,3,1,4", "--dtype", "float32",
+                    "--output", str(tmp_path / "b.json")])
+    assert seen == [True]
