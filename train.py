@@ -778,6 +778,13 @@ def main(argv=None):
             ck = list_checkpoints(args.out)
             if not ck:
                 raise UserError(f"--resume: no checkpoint in {args.out}/checkpoints")
+            from model import SHAPE_FIELDS, read_config
+            saved = read_config(ck[-1])
+            diff = [k for k in SHAPE_FIELDS if getattr(saved, k) != getattr(cfg, k)]
+            if diff:
+                raise UserError(f"--resume: {ck[-1]} holds a draft of another shape ({diff[0]} "
+                                f"{getattr(saved, diff[0])}, now {getattr(cfg, diff[0])}): resume "
+                                f"with the run's --draft-config")
             st = load_checkpoint(ck[-1], module, opt, sched, rank, world, vocab["draft_ids"])
             old = st["args"]
             for k in ("batch_size", "seed", "ttt_length", "eval_fraction"):

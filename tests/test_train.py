@@ -549,3 +549,5 @@ def test_draft_config_shapes_a_new_draft(tmp_path, data_dir):
                   "--draft-config", str(p)], "draft_vocab_size is 7")
     expect_error(["--data", data_dir, "--out", str(tmp_path / "o"), "--offline", "--init", out,
                   "--draft-config", str(p)], "--draft-config")
+    expect_error(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2", "--max-steps",
+                  "3", "--ttt-length", "2", "--resume"], "another shape")
