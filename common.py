@@ -210,6 +210,7 @@ def load_target_heads(target=DEFAULT_TARGET, trust_remote_code=False):
                     for want in ("embed_tokens.weight", "lm_head.weight"):
                         if k == want or k.endswith("." + want):
                             found.setdefault(want, []).append((f, k))
+
     def shallowest(cands):
         # DeepSeek-V3's multi-token-prediction layer has its own model.layers.61.embed_tokens:
         # the model's own tensor is the least nested one; a tie is ambiguous
