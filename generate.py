@@ -15,6 +15,8 @@ talking. Steps, each resumable (a killed run continues where it stopped):
                   SGLang server's OpenAI-compatible chat endpoint).
   3. tokenize     render with the chat template; loss mask = assistant tokens including the
                   end-of-turn token, excluding the assistant header; truncate to --max-length.
+                  Works with slow (Python) tokenizers too. Thinking templates that drop earlier
+                  reasoning give one sequence per assistant turn (chat.py explains).
   4. vocab        the --draft-vocab-size most frequent loss-masked target ids -> d2t / t2d.
   5. hidden       (--hidden-states) the outputs of the three captured decoder layers and the
                   final (normed) hidden state, in safetensors shards.
@@ -23,7 +25,7 @@ Output directory (what train.py reads, through `load_dataset_dir` and `read_hidd
 
     manifest.json          target, tokenizer hash, counts, aux layer ids, shard list
     conversations.jsonl    {"messages": [...]} per line, the regenerated conversations
-    sequences.jsonl        {"input_ids": [...], "loss_mask": [...], "conversation": k} per line
+    sequences.jsonl        {"input_ids", "loss_mask", "conversation": k[, "turn": i]} per line
     vocab.safetensors      draft_ids [Vd], d2t [Vd], t2d bool [V], counts [V]
     hidden/shard-NNNNN.safetensors   aux.{k} [T, 3*Ht] and final.{k} [T, Ht] for k in [start, end)
 
@@ -407,56 +409,9 @@ def regenerate(skeletons, path, fill, chunk):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Tokenize and mask
+# 3. Tokenize and mask: chat.py (rendering, assistant spans without offsets, thinking templates)
 
-def render(tok, messages, add_generation_prompt=False):
-    from jinja2.exceptions import TemplateError
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    try:
-        return tok.apply_chat_template(msgs, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
-    except TemplateError as e:  # e.g. "roles must alternate user/assistant"
-        raise UserError(f"the chat template refuses a conversation ({e}): "
-                        f"{json.dumps(msgs, ensure_ascii=False)[:200]}")
-
-
-def encode_conversation(tok, messages, max_length=None):
-    """(input_ids, loss_mask) of a conversation rendered with the chat template.
-
-    The assistant spans are found in TEXT, not tokens: for assistant turn i, rendering turns
-    [:i] with the generation prompt ends exactly where the answer starts, and rendering [:i+1]
-    ends after its end-of-turn marker (plus whitespace such as ChatML's trailing newline, which
-    the model never generates and is cut off; a turn marked "truncated" loses its end-of-turn
-    marker too, since the target never produced it). Token t is in the loss if its first character
-    lies in such a span. This works for any template that renders incrementally (ChatML,
-    Llama-3, Mistral, ...) without knowing its header strings."""
-    full = render(tok, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = render(tok, messages[:i], add_generation_prompt=True)
-        upto = render(tok, messages[:i + 1])
-        if not (upto.startswith(before) and full.startswith(upto)):
-            raise UserError("the chat template does not render conversations incrementally "
-                            "(an earlier turn changes when later turns are added), so the "
-                            "assistant spans cannot be located")
-        end = len(upto.rstrip())
-        if m.get("truncated"):
-            # cut at --max-new-tokens: the end-of-turn marker after it is the template's, not
-            # the target's, so it stays out of the loss (the answer text itself stays in)
-            text = m["content"].strip()
-            j = upto.find(text, len(before)) if text else -1
-            end = j + len(text) if j >= 0 else len(before)
-        spans.append((len(before), end))
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = []
-    for s, e in offsets:
-        mask.append(int(any(a <= s < b for a, b in spans)))
-    if max_length is not None:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return list(ids), mask
+from chat import encode_conversation, encode_samples, render  # noqa: E402,F401  (used by tests)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -797,6 +752,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run Python code shipped with the target (e.g. Kimi-K2's model and tokenizer)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", help="JSONL: ShareGPT, OpenAI messages or {\"prompt\": ...} lines")
     src.add_argument("--dataset", help="a hub data set name (needs `datasets` and the network)")
@@ -876,24 +833,18 @@ def main(argv=None):
     # --- everything that can go wrong with the user's input is checked before writing anything
     need_hf_model = args.backend == "hf" and (args.regenerate or args.hidden_states or args.synthesize)
     if need_hf_model:
-        target, tok = load_target(args.target, dtype=parse_dtype(args.dtype), device=args.device)
+        target, tok = load_target(args.target, dtype=parse_dtype(args.dtype), device=args.device,
+                                  trust_remote_code=args.trust_remote_code)
         tcfg = target.config
     else:
-        from transformers import AutoConfig, AutoTokenizer
-        path = resolve_target(args.target)
-        try:
-            tok = AutoTokenizer.from_pretrained(path)
-            tcfg = AutoConfig.from_pretrained(path)
-        except OSError as e:
-            raise UserError(f"--target {args.target}: cannot load ({str(e).splitlines()[0]})")
+        from common import load_config, load_tokenizer
+        tok = load_tokenizer(args.target, args.trust_remote_code)
+        tcfg = load_config(args.target, args.trust_remote_code)
         target = None
     tcfg = tcfg.get_text_config()
     if not getattr(tok, "chat_template", None):
         raise UserError(f"--target {args.target}: the tokenizer has no chat template; EAGLE-3 data "
                         f"is rendered conversations (set tokenizer.chat_template first)")
-    if not getattr(tok, "is_fast", False):
-        raise UserError(f"--target {args.target}: needs a fast tokenizer (character offsets "
-                        f"locate the assistant turns)")
     V, L = tcfg.vocab_size, tcfg.num_hidden_layers
     Vd = args.draft_vocab_size or min(32000, V)
     if not 0 < Vd <= V:
@@ -985,15 +936,20 @@ def main(argv=None):
         atomic_write_jsonl(cpath, rows)
 
     # --- 3. tokenize and mask
-    sequences, dropped, truncated_turns = [], 0, 0
+    sequences, dropped, truncated_turns, per_turn = [], 0, 0, 0
     for k, row in enumerate(rows):
         msgs = row["messages"]
         truncated_turns += sum(1 for m in msgs if m.get("truncated"))
-        ids, mask = encode_conversation(tok, msgs, args.max_length)
-        if sum(mask) == 0:
-            dropped += 1  # the assistant part was cut off by --max-length: nothing to learn
-            continue
-        sequences.append({"input_ids": ids, "loss_mask": mask, "conversation": k})
+        samples = encode_samples(tok, msgs, args.max_length)
+        per_turn += samples[0][2] is not None  # a thinking template: one sample per turn
+        for ids, mask, turn in samples:
+            if sum(mask) == 0:
+                dropped += 1  # the assistant part was cut off by --max-length: nothing to learn
+                continue
+            seq = {"input_ids": ids, "loss_mask": mask, "conversation": k}
+            if turn is not None:
+                seq["turn"] = turn
+            sequences.append(seq)
     if not sequences:
         raise UserError(f"no sequence keeps an assistant token within --max-length {args.max_length}")
 
@@ -1026,6 +982,7 @@ def main(argv=None):
         "max_length": args.max_length, "num_conversations": len(rows),
         "num_sequences": len(sequences), "num_tokens": num_tokens, "num_loss_tokens": num_loss,
         "num_dropped": dropped, "num_truncated_turns": truncated_turns, "num_bad_lines": bad,
+        "num_per_turn_conversations": per_turn,
         "draft_vocab_size": Vd, "coverage": coverage, "coverage_at": {str(k): v for k, v in cov.items()},
         "aux_layer_ids": layer_ids, "num_hidden_layers": L, "hidden_size": tcfg.hidden_size,
         "hidden": hidden, "complete": True})
@@ -1034,6 +991,9 @@ def main(argv=None):
     print(f"{out}: {len(sequences)} sequences, {num_tokens:,} tokens ({num_loss:,} in the loss), "
           f"{dropped} dropped (no assistant token within --max-length), {truncated_turns} turns "
           f"cut at --max-new-tokens")
+    if per_turn:
+        print(f"{per_turn} conversations split into one sequence per assistant turn: the chat "
+              f"template drops earlier turns' reasoning (see chat.py)")
     print(f"draft vocab {Vd}: coverage {coverage:.4f} of assistant tokens "
           f"({', '.join(f'{k // 1024}k: {v:.4f}' for k, v in cov.items())}; "
           f"{int((vocab['counts'] > 0).sum())} distinct tokens seen)")

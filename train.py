@@ -173,7 +173,7 @@ def check_offline(data_path, manifest):
 # Online: a target producer process feeding a bounded queue
 
 def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, layer_ids,
-                  batch_size, threads, hidden_dtype):
+                  batch_size, threads, hidden_dtype, trust_remote_code=False):
     """Runs in its own process: for each job (key, sequence ids) compute the target's hidden
     states and put (key, [(aux, final), ...]) in the queue. put() blocks when the queue is full,
     so the producer runs at most `prefetch` batches ahead of the trainer."""
@@ -182,7 +182,7 @@ def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, lay
         torch.set_num_threads(threads)
         from common import load_target, parse_dtype
         from generate import target_hidden_states
-        target, _ = load_target(target_name, target_dtype, device)
+        target, _ = load_target(target_name, target_dtype, device, trust_remote_code)
         hd = parse_dtype(hidden_dtype)
         for key, idx in jobs:
             with torch.inference_mode():
@@ -211,7 +211,8 @@ class Online:
         ids = [s["input_ids"] for s in seqs]
         self.proc = ctx.Process(target=producer_main, daemon=True, args=(
             self.q, self.release, args.target, args.target_dtype, args.device, ids, jobs, layer_ids,
-            args.producer_batch_size, args.producer_threads, args.hidden_dtype))
+            args.producer_batch_size, args.producer_threads, args.hidden_dtype,
+            args.trust_remote_code))
         self.proc.start()
         self.wait = 0.0
 
@@ -654,6 +655,11 @@ def parse_args(argv=None):
                     help="fc's initialisation: std 0.02 (normal), or scaled to the captured "
                          "layers' RMS so fc(aux) starts at RMS ~1 (rms)")
     ap.add_argument("--init", default=None, help="start from this draft directory's weights")
+    ap.add_argument("--draft-config", default=None,
+                    help="JSON draft config whose shape fields (heads, head_dim, MLP size, RoPE, "
+                         "max positions) replace the automatic choice (see model.py)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run Python code shipped with the target (Kimi-K2's model and tokenizer)")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     ap.add_argument("--ttt-length", type=int, default=7)
     ap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
@@ -707,6 +713,9 @@ def check_args(a):
         raise UserError(f"--warmup {a.warmup}: expected in [0, 1)")
     if a.resume and a.init:
         raise UserError("--resume continues a run; --init starts a new one: give one of them")
+    if a.init and a.draft_config:
+        raise UserError("--init takes the draft's shape from its config.json; --draft-config "
+                        "shapes a new draft: give one of them")
 
 
 def lr_lambda(warmup, total, min_ratio):
@@ -722,8 +731,9 @@ def lr_lambda(warmup, total, min_ratio):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    from common import load_target, parse_dtype, resolve_target
-    from model import Eagle3Draft, check_fits, config_from_target, load_draft_for
+    from common import load_target_heads, parse_dtype, resolve_target
+    from model import (Eagle3Draft, apply_draft_config, check_fits, config_from_target,
+                       load_draft_for)
     manifest, seqs, vocab = read_data(args.data)
     if args.target is None:
         args.target = manifest["target"]
@@ -741,10 +751,12 @@ def main(argv=None):
             raise UserError(f"--batch-size {args.batch_size} must be a multiple of the "
                             f"{world} processes")
         # ---- the target: only its embedding, lm_head and config stay in the trainer ----
-        target, tok = load_target(args.target, "float32", "cpu")
+        target, tok = load_target_heads(args.target, args.trust_remote_code)
         cfg = config_from_target(target.config, manifest["draft_vocab_size"],
                                  manifest["aux_layer_ids"])
         check_fits(cfg, target.config, where=f"{args.data}/manifest.json aux_layer_ids")
+        if args.draft_config:
+            cfg = apply_draft_config(cfg, args.draft_config)
         check_data(manifest, seqs, target, tok, args.target, args.data, cfg.max_position_embeddings)
         compute_dtype = parse_dtype(args.dtype)
         lm_w = target.get_output_embeddings().weight.detach().to(device, compute_dtype)
@@ -803,6 +815,13 @@ def main(argv=None):
             ck = list_checkpoints(args.out)
             if not ck:
                 raise UserError(f"--resume: no checkpoint in {args.out}/checkpoints")
+            from model import SHAPE_FIELDS, read_config
+            saved = read_config(ck[-1])
+            diff = [k for k in SHAPE_FIELDS if getattr(saved, k) != getattr(cfg, k)]
+            if diff:
+                raise UserError(f"--resume: {ck[-1]} holds a draft of another shape ({diff[0]} "
+                                f"{getattr(saved, diff[0])}, now {getattr(cfg, diff[0])}): resume "
+                                f"with the run's --draft-config")
             st = load_checkpoint(ck[-1], module, opt, sched, rank, world, vocab["draft_ids"])
             old = st["args"]
             for k in ("batch_size", "seed", "ttt_length", "eval_fraction"):

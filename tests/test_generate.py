@@ -179,6 +179,119 @@ def test_mask_truncates_to_max_length(smol_tok):
     assert ids2 == ids[:-3] and mask2 == mask[:-3]
 
 
+def offsets_mask(tok, messages):
+    """The masks as they were located before chat.py: through the fast tokenizer's character
+    offsets (token in the loss iff its first character lies in an assistant span)."""
+    import chat
+    full = chat.render(tok, messages)
+    spans = [chat.turn_span(tok, messages, i)[1] for i, m in enumerate(messages)
+             if m["role"] == "assistant"]
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [int(any(a <= s < b for a, b in spans))
+                                    for s, _ in enc["offset_mapping"]]
+
+
+def random_conversations(n, seed=0):
+    """Conversations whose texts start and end with spaces, newlines, digits, punctuation and
+    non-ASCII characters: the places where tokenizing a prefix alone differs from the whole."""
+    import random
+    rng = random.Random(seed)
+    bits = ["Blue", " is", "\n", "\n\n", "  ", "42", "3.14", "é", "日本", "!", "?!", " the", "x=1;",
+            "\t", "  \n", "(", ")", "'s", "don't", "😀", " "]
+    convs = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": "".join(rng.choices(bits, k=3))}] if rng.random() < .5 else []
+        for t in range(rng.randint(1, 3)):
+            msgs.append({"role": "user", "content": "Q" + "".join(rng.choices(bits, k=rng.randint(0, 6)))})
+            msgs.append({"role": "assistant", "content": "".join(rng.choices(bits, k=rng.randint(1, 8)))})
+            if rng.random() < 0.2:
+                msgs[-1]["truncated"] = True
+        convs.append(msgs)
+    return convs
+
+
+def test_masks_without_offsets_equal_offset_masks(smol_tok):
+    """chat.py locates tokens by tokenizing prefixes (any tokenizer); on a fast tokenizer the
+    result is exactly the offset mapping's, on ChatML and on Llama-3 (whose "\n\n" before an
+    answer is one token at the end of a prefix but two in the whole text)."""
+    import copy
+    llama = copy.deepcopy(smol_tok)
+    llama.add_special_tokens({"additional_special_tokens":
+                              ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    llama.bos_token = "<|begin_of_text|>"
+    llama.chat_template = LLAMA3_TEMPLATE
+    for tok in (smol_tok, llama):
+        for conv in [CONV] + random_conversations(60):
+            assert generate.encode_conversation(tok, conv) == offsets_mask(tok, conv), conv
+
+
+def test_slow_tokenizer_masks():
+    """A slow (Python) tokenizer has no offsets; masks still cover exactly the answers."""
+    import chat
+    from conftest import kimi_tokenizer
+    tok = kimi_tokenizer(chat_template=(
+        "{% for m in messages %}{{ '<|im_' + m['role'] + '|>' + m['role'] + '<|im_middle|>' + "
+        "m['content'] + '<|im_end|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"))
+    assert not tok.is_fast
+    assert "offset_mapping" not in tok("abc", return_offsets_mapping=True)   # silently none
+    ids, mask = generate.encode_conversation(tok, CONV)
+    assert masked_spans(tok, ids, mask) == ["Blue is a colour.<|im_end|>", "Seven, for example.<|im_end|>"]
+    ref = tok.apply_chat_template(CONV, tokenize=True)
+    assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    # a boundary inside a multi-character token, and one where the prefix alone merges "\n\n"
+    text = "ab the\n\nthere"
+    ids = chat.encode(tok, text)
+    assert tok.convert_ids_to_tokens(ids) == ["a", "b", " the", "\n", "\n", "the", "r", "e"]
+    starts = [0, 1, 2, 6, 7, 8, 11, 12]
+    for b in range(len(text) + 1):
+        assert chat.tokens_before(tok, text, ids, b) == sum(s < b for s in starts), b
+
+
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set c = m['content'] -%}{%- set r = '' -%}"
+    "{%- if '</think>' in c -%}{%- set r = c.split('</think>')[0].replace('<think>', '').strip() -%}"
+    "{%- set c = c.split('</think>')[-1].lstrip() -%}{%- endif -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if loop.index0 > ns.last_user -%}{{- '<think>\n' + r + '\n</think>\n\n' -}}{%- endif -%}"
+    "{{- c + '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def test_thinking_template_gives_one_sample_per_turn(smol_tok):
+    """A template that drops earlier turns' reasoning (Qwen3 style) does not render incrementally:
+    each assistant turn becomes its own sample, rendered exactly as the model sees it when it
+    writes that turn, with only that turn in the loss."""
+    import copy
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = QWEN3_LIKE
+    conv = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "<think>\nThe sky.\n</think>\n\nBlue."},
+            {"role": "user", "content": "And a number?"},
+            {"role": "assistant", "content": "<think>\nSmall prime.\n</think>\n\nSeven."}]
+    samples = generate.encode_samples(tok, conv)
+    assert [t for _, _, t in samples] == [1, 3]
+    for (ids, mask, turn), want in zip(samples, ["<think>\nThe sky.\n</think>\n\nBlue.<|im_end|>",
+                                                 "<think>\nSmall prime.\n</think>\n\nSeven.<|im_end|>"]):
+        ref = tok.apply_chat_template(conv[:turn + 1], tokenize=True)
+        assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+        assert masked_spans(tok, ids, mask) == [want]
+    # turn 1 in the second sample's context: its reasoning dropped, as the template shows it
+    context = tok.decode(samples[1][0][:samples[1][1].index(1)])
+    assert "Blue." in context and "The sky" not in context
+    with pytest.raises(UserError, match="incrementally"):
+        generate.encode_conversation(tok, conv)
+    # one turn only: nothing is dropped, so it is one ordinary sample
+    assert [t for _, _, t in generate.encode_samples(tok, conv[:2])] == [None]
+
+
 # ----------------------------------------------------------------------------------------------
 # Draft vocabulary
 

@@ -60,6 +60,47 @@ def test_default_layers_and_config_from_target():
     assert cfg.rms_norm_eps == t.config.rms_norm_eps
 
 
+def test_default_aux_layers_are_distinct_for_small_targets():
+    # [1, L//2-1, L-4] is kept wherever it is already three distinct layers (L >= 7: the
+    # 30-layer default target's shipped draft reads [1, 14, 26]); below that it would repeat a
+    # layer (L = 6: [1, 2, 2]), so the lowest, middle and highest usable layers are taken
+    for L in range(4, 130):
+        ids = default_aux_layers(L)
+        assert ids == sorted(set(ids)) and len(ids) == 3 and 0 <= ids[0] and ids[2] <= L - 2, L
+        if L >= 7:
+            assert ids == [1, L // 2 - 1, L - 4]
+    assert [default_aux_layers(L) for L in (4, 5, 6)] == [[0, 1, 2], [0, 1, 3], [0, 2, 4]]
+    for L in (1, 2, 3):   # only L-1 usable layers (the last is seen final-normed): too few
+        with pytest.raises(UserError, match="at least 4 layers"):
+            default_aux_layers(L)
+        with pytest.raises(UserError, match="at least 4 layers"):
+            config_from_target(make_tiny_target(layers=L).config, 40)
+
+
+def test_model_cli_dry_run_and_draft_config(tmp_path, capsys):
+    import model
+    t = make_tiny_target(layers=6)
+    t.save_pretrained(tmp_path / "t")
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps({"intermediate_size": 48, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 1e6}))
+    model.main(["--target", str(tmp_path / "t"), "--draft-vocab-size", "40", "--dry-run",
+                "--draft-config", str(p)])
+    out = capsys.readouterr().out
+    cfg = json.loads(out[:out.rindex("}") + 1])
+    assert (cfg["intermediate_size"], cfg["num_attention_heads"], cfg["head_dim"]) == (48, 2, 16)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert not os.path.exists(tmp_path / "out")
+    model.main(["--target", str(tmp_path / "t"), "--draft-vocab-size", "40", "--out",
+                str(tmp_path / "out"), "--draft-config", str(p)])
+    d = read_config(str(tmp_path / "out"))
+    assert (d.intermediate_size, d.num_key_value_heads, d.rope_theta) == (48, 1, 1e6)
+    load_draft_for(str(tmp_path / "out"), t)   # loads strictly against the target
+    p.write_text(json.dumps({"vocab_size": 5}))
+    with pytest.raises(UserError, match="vocab_size is 5"):
+        model.main(["--target", str(tmp_path / "t"), "--dry-run", "--draft-config", str(p)])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sglang_checkpoint_contract(tmp_path, dtype):
     t = make_tiny_target(vocab_size=64, hidden_size=32, heads=4, kv_heads=2)

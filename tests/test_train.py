@@ -563,3 +563,23 @@ def test_replayed_accept_length_predicts_speculate(tmp_path, target_dir):
     assert measured > 1.4, measured                         # the draft learned something
     assert abs(ev["replay_accept_3"] - measured) < 0.05 * measured, \
         (ev["replay_accept_3"], measured, ev["accept_len_3"])
+
+
+def test_draft_config_shapes_a_new_draft(tmp_path, data_dir):
+    """--draft-config (SpecForge's --draft-model-config) replaces the automatic shape."""
+    p = tmp_path / "draft.json"
+    p.write_text(json.dumps({"intermediate_size": 40, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "head_dim": 12, "rope_theta": 1e6}))
+    out = str(tmp_path / "run")
+    run_train(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2", "--max-steps",
+               "2", "--ttt-length", "2", "--draft-config", str(p)] + FP32)
+    cfg = json.load(open(os.path.join(train.list_checkpoints(out)[-1], "config.json")))
+    assert (cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["rope_theta"]) == (40, 2, 1, 12, 1e6)
+    p.write_text(json.dumps({"draft_vocab_size": 7}))
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "o"), "--offline",
+                  "--draft-config", str(p)], "draft_vocab_size is 7")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "o"), "--offline", "--init", out,
+                  "--draft-config", str(p)], "--draft-config")
+    expect_error(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2", "--max-steps",
+                  "3", "--ttt-length", "2", "--resume"], "another shape")
