@@ -372,6 +372,21 @@ class MidLayer(nn.Module):
         return self.finish(g, self.self_attn(self.attn_input(e, g), cos, sin, cache, mask))
 
 
+def fc_weight_for_features(hidden_size, target_hidden_size, feature_rms, generator=None):
+    """A fresh fc weight [H, 3*Ht] for features of the given scale: feature_rms [3] is the typical
+    per-row RMS of each captured layer. Block i of the columns gets std 1 / (rms_i sqrt(3 Ht)), so
+    each layer adds variance 1/3 and g = fc(aux) starts at RMS ~1, each layer heard equally.
+    Why: targets' residual streams grow with depth (SmolLM2-135M: RMS ~2.7 / 6.2 / 22.9 at layers
+    1 / 14 / 26). With a std-0.02 init fc(aux) starts at RMS ~11, 50x the attention branch (~0.2),
+    so h2 = g + attn + mlp is at first a linear read-out of the deepest layer and the decoder
+    layer's share must grow ~50x before it counts. Only the init changes, not the format."""
+    Ht = target_hidden_size
+    w = torch.empty(hidden_size, 3 * Ht)
+    for i, r in enumerate(torch.as_tensor(feature_rms, dtype=torch.float32).tolist()):
+        w[:, i * Ht:(i + 1) * Ht].normal_(0.0, 1.0 / (r * math.sqrt(3 * Ht)), generator=generator)
+    return w
+
+
 # ----------------------------------------------------------------------------------------------
 # The draft model
 
@@ -399,20 +414,6 @@ class Eagle3Draft(nn.Module):
     def _init(m):
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
-
-    def init_fc_for_features(self, feature_rms):
-        """Re-initialise fc for features of the given scale: feature_rms [3] is the typical
-        per-row RMS of each captured layer. Block i of fc's columns gets std 1 / (rms_i sqrt(3 Ht)),
-        so each layer adds variance 1/3 and g = fc(aux) starts at RMS ~1, each layer heard equally.
-        Why: targets' residual streams grow with depth (SmolLM2-135M: RMS ~2.7 / 6.2 / 22.9 at
-        layers 1 / 14 / 26). With the std-0.02 init fc(aux) starts at RMS ~11, 50x the attention
-        branch (~0.2), so h2 = g + attn + mlp is at first a linear read-out of the deepest layer and
-        the decoder layer's contribution must grow ~50x before it counts. Only the init changes:
-        the checkpoint format is the same."""
-        Ht = self.config.target_hidden_size
-        with torch.no_grad():
-            for i, r in enumerate(torch.as_tensor(feature_rms, dtype=torch.float32).tolist()):
-                nn.init.normal_(self.fc.weight[:, i * Ht:(i + 1) * Ht], std=1.0 / (r * math.sqrt(3 * Ht)))
 
     def set_embedding(self, weight):
         with torch.no_grad():

@@ -281,12 +281,23 @@ def collate(seqs, idx, hidden, device):
 
 
 @torch.no_grad()
-def feature_rms(target, sequences, layer_ids):
-    """Typical per-row RMS of each captured layer [3], measured on a few sequences: the median
-    over rows, since the first row of a sequence (an attention sink) can be 100x the rest."""
-    from generate import target_hidden_states
-    aux = torch.cat([a for a, _ in target_hidden_states(target, sequences, layer_ids)]).float()
-    return aux.view(aux.shape[0], 3, -1).pow(2).mean(-1).sqrt().median(0).values
+def init_fc_for_features(module, hidden, seed):
+    """--fc-init rms (model.fc_weight_for_features): measure the captured layers' scale on the
+    hidden states of a few sequences (the median row RMS of each layer: the first row of a
+    sequence, an attention sink, can be 100x the rest) and redraw fc for it. Done after
+    sharding: every rank draws the same full matrix from a seeded generator and keeps its shard,
+    so N processes start where one does. Returns the RMS [3]."""
+    from model import fc_weight_for_features
+    aux = torch.cat([a for a, _ in hidden]).float()
+    rms = aux.view(aux.shape[0], 3, -1).pow(2).mean(-1).sqrt().median(0).values
+    w = module.draft.fc.weight
+    full = fc_weight_for_features(w.shape[0], w.shape[1] // 3, rms,
+                                  torch.Generator().manual_seed(seed)).to(w.dtype)
+    if hasattr(w, "device_mesh"):    # an FSDP2 DTensor: keep this rank's shard
+        from torch.distributed.tensor import distribute_tensor
+        full = distribute_tensor(full.to(w.device_mesh.device_type), w.device_mesh, w.placements)
+    w.copy_(full)
+    return rms
 
 
 # ----------------------------------------------------------------------------------------------
@@ -774,12 +785,6 @@ def main(argv=None):
             torch.manual_seed(args.seed)
             draft = Eagle3Draft(cfg, embed)
             draft.set_vocab(vocab["draft_ids"])
-            if args.fc_init == "rms":
-                rms = feature_rms(target, [s["input_ids"] for s in seqs[:8]], manifest["aux_layer_ids"])
-                draft.init_fc_for_features(rms)
-                if rank == 0:
-                    print(f"fc init for feature RMS {' / '.join(f'{r:.2f}' for r in rms.tolist())} "
-                          f"(layers {manifest['aux_layer_ids']})", file=sys.stderr)
         del target
         draft_ids = vocab["draft_ids"].to(device)
         t2d = draft.t2d.clone().to(device)
@@ -844,16 +849,26 @@ def main(argv=None):
         stop_at = min(total, args.stop_at) if args.stop_at else total
 
         # ---- data source: the producer's job list is exactly the trainer's consumption order ----
+        # (a fresh --fc-init rms run first takes the states of 8 training sequences to scale fc)
+        rms_ids = train_ids[:8] if args.fc_init == "rms" and start == 0 and not args.init else []
         eval_batches = eval_batches_for(eval_ids, rank, world, args.batch_size // world)
         if args.offline:
             source = Offline(args.data, manifest)
         else:
-            jobs = [(("eval", i), b) for i, (b, _) in enumerate(eval_batches)]
+            jobs = [(("rms", 0), rms_ids)] if rms_ids else []
+            jobs += [(("eval", i), b) for i, (b, _) in enumerate(eval_batches)]
             jobs += [(("train", s), rank_share(batches(s)[0], rank, world))
                      for s in range(start, stop_at)]
             online = source = Online(args, seqs, jobs, manifest["aux_layer_ids"])
-        # online, the producer sends the eval set first, once: keep it
-        eval_cache = {} if args.offline else {k: source.get(k) for k, _ in jobs[:len(eval_batches)]}
+        if rms_ids:
+            rms = init_fc_for_features(module, source.get_ids(rms_ids) if args.offline
+                                       else source.get(("rms", 0)), args.seed)
+            if rank == 0:
+                print(f"fc initialised for feature RMS {' / '.join(f'{r:.2f}' for r in rms.tolist())}"
+                      f" (layers {manifest['aux_layer_ids']})", file=sys.stderr)
+        # online, the producer sends the eval set next, once: keep it
+        eval_cache = {} if args.offline else {
+            ("eval", i): source.get(("eval", i)) for i in range(len(eval_batches))}
 
         def hidden_for(key, idx):
             if args.offline:

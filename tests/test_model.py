@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from conftest import make_tiny_target
 from common import UserError
-from model import (Eagle3Draft, check_fits, config_from_target, default_aux_layers, read_config,
+from model import (Eagle3Draft, check_fits, config_from_target, default_aux_layers, fc_weight_for_features, read_config,
                    load_draft_for)
 
 # The names and shapes SGLang's LlamaForCausalLMEagle3.load_weights expects (reference §1).
@@ -237,24 +237,21 @@ def test_loading_refuses_renamed_or_missing_tensors(tmp_path):
 
 
 def test_fc_init_for_features_balances_layers():
-    """init_fc_for_features: g = fc(aux) starts at RMS ~1 with each captured layer contributing
-    a third of the variance, however different the layers' scales (the default std-0.02 init lets
-    the deepest, largest layer dominate g and makes g ~50x the attention branch on SmolLM2)."""
+    """fc_weight_for_features (train.py --fc-init rms): g = fc(aux) starts at RMS ~1 with each
+    captured layer contributing a third of the variance, however different the layers' scales
+    (the default std-0.02 init lets the deepest, largest layer dominate g, and makes g ~50x the
+    attention branch on SmolLM2)."""
     torch.manual_seed(0)
-    target = make_tiny_target(hidden_size=256, heads=4, kv_heads=2)
-    draft, _ = fresh_draft(target)
-    Ht = 256
+    H, Ht = 64, 256
     rms = torch.tensor([2.7, 6.2, 22.9])
     aux = torch.randn(4096, 3, Ht) * rms[None, :, None]           # blocks of those RMS
-    draft.init_fc_for_features(rms)
-    W = draft.fc.weight.detach()
+    W = fc_weight_for_features(H, Ht, rms, torch.Generator().manual_seed(0))
+    assert W.shape == (H, 3 * Ht)
     g = aux.reshape(4096, -1) @ W.T
     assert abs(g.pow(2).mean().sqrt().item() - 1.0) < 0.1
-    parts = [aux[:, i] @ W[:, i * Ht:(i + 1) * Ht].T for i in range(3)]
-    for p in parts:
-        assert abs(p.pow(2).mean().item() - 1 / 3) < 0.05
+    for i in range(3):
+        assert abs((aux[:, i] @ W[:, i * Ht:(i + 1) * Ht].T).pow(2).mean().item() - 1 / 3) < 0.05
     # the plain init, for contrast: the deepest layer carries nearly all of g
-    fresh, _ = fresh_draft(target)
-    Wf = fresh.fc.weight.detach()
+    Wf = torch.randn(H, 3 * Ht) * 0.02
     share = [(aux[:, i] @ Wf[:, i * Ht:(i + 1) * Ht].T).pow(2).mean().item() for i in range(3)]
     assert share[2] / sum(share) > 0.9

@@ -390,9 +390,10 @@ def free_port():
 
 def test_two_processes_match_one(tmp_path, data_dir):
     common = ["--data", data_dir, "--offline", "--batch-size", "4", "--max-steps", "4",
-              "--lr", "1e-3", "--ttt-length", "3", "--eval-every", "2", "--log-every", "1"] + FP32
+              "--lr", "1e-3", "--ttt-length", "3", "--eval-every", "2", "--log-every", "1",
+              "--fc-init", "rms"] + FP32     # rms: fc is redrawn after sharding, same on 1 and 2
     one = str(tmp_path / "one")
-    run_train(common + ["--out", one])
+    assert "fc initialised for feature RMS" in run_train(common + ["--out", one]).stderr
     two = str(tmp_path / "two")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), "train.py", "--out", two] + common
@@ -408,7 +409,8 @@ def test_two_processes_match_one(tmp_path, data_dir):
 
 def test_online_matches_offline(tmp_path, data_dir):
     common = ["--data", data_dir, "--batch-size", "2", "--max-steps", "5", "--lr", "1e-3",
-              "--ttt-length", "3", "--eval-every", "5", "--log-every", "1"] + FP32
+              "--ttt-length", "3", "--eval-every", "5", "--log-every", "1",
+              "--fc-init", "rms"] + FP32   # rms: the producer's first job, the shards offline
     off, on = str(tmp_path / "off"), str(tmp_path / "on")
     run_train(common + ["--out", off, "--offline"])
     run_train(common + ["--out", on, "--prefetch", "2"])
