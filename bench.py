@@ -512,6 +512,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run Python code shipped with the target (e.g. Kimi-K2's model and tokenizer)")
     ap.add_argument("--draft", help="draft directory (needed for speculative configs)")
     ap.add_argument("--benchmark-list", nargs="+", default=["mtbench:80", "humaneval:164"],
                     help="name[:count]: mtbench, humaneval or a JSONL file of prompts")
@@ -573,11 +575,13 @@ def main(argv=None):
     if need_draft and not args.draft and not args.skip_launch_server:
         raise UserError("--draft DIR is needed for speculative configs (or use only 1,0,0,0)")
     target_dir = resolve_target(args.target)
+    if args.trust_remote_code and "--trust-remote-code" not in args.server_args.split():
+        args.server_args += " --trust-remote-code"   # launched SGLang servers load the target too
     if args.draft:
-        from transformers import AutoConfig
+        from common import load_config
         from model import check_fits, read_config
         dcfg = read_config(args.draft)
-        check_fits(dcfg, AutoConfig.from_pretrained(target_dir),
+        check_fits(dcfg, load_config(target_dir, args.trust_remote_code),
                    where=os.path.join(args.draft, "config.json"))
         for c in args.config_list:
             parse_config(c, dcfg.draft_vocab_size)   # topk must fit the draft vocabulary
@@ -594,7 +598,7 @@ def main(argv=None):
         from common import load_target
         from model import load_draft_for
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        target, tok = load_target(target_dir, dtype, device)
+        target, tok = load_target(target_dir, dtype, device, args.trust_remote_code)
         stop = stop_token_ids(tok, target.config)
         draft = load_draft_for(args.draft, target, dtype) if need_draft else None
         records, runners = run_torch(args, benches, configs, target, tok, draft, stop)
@@ -602,10 +606,10 @@ def main(argv=None):
                                     kind=r.kind, cfg=r.cfg) for r in runners}
                for label, recs in records.items()}
     else:
-        from transformers import AutoConfig, AutoTokenizer
+        from common import load_config, load_tokenizer
         device = "cuda"
-        tok = AutoTokenizer.from_pretrained(target_dir)
-        stop = stop_token_ids(tok, AutoConfig.from_pretrained(target_dir))
+        tok = load_tokenizer(target_dir, args.trust_remote_code)
+        stop = stop_token_ids(tok, load_config(target_dir, args.trust_remote_code))
         # Ctrl-C and SIGTERM both unwind through launched_server's finally, killing the server
         old_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:

@@ -126,21 +126,115 @@ def resolve_target(target):
     return target  # a hub id: transformers downloads it only because the user named it
 
 
-def load_target(target=DEFAULT_TARGET, dtype="float32", device="cpu"):
-    """Load (model, tokenizer) for a target name/path. The model is in eval mode, grads off."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    transformers.utils.logging.disable_progress_bar()  # per-tensor "Loading weights" bars
+def remote_code_error(target, e):
+    """A UserError for a failed load; names --trust-remote-code when that is what is missing."""
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "trust_remote_code" in str(e):
+        return UserError(f"--target {target}: its repository ships its own Python code (a custom "
+                         f"model, config or tokenizer class); read it, then pass "
+                         f"--trust-remote-code to run it")
+    return UserError(f"--target {target}: cannot load a transformers causal LM ({msg})")
+
+
+def load_tokenizer(target=DEFAULT_TARGET, trust_remote_code=False):
+    """The target's tokenizer. trust_remote_code runs Python files shipped with the target (Kimi's
+    tiktoken tokenizer is one): off unless the user passes --trust-remote-code."""
+    from transformers import AutoTokenizer
     path = resolve_target(target)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
-    except OSError as e:
-        raise UserError(f"--target {target}: cannot load a transformers causal LM "
-                        f"({str(e).splitlines()[0]})")
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise remote_code_error(target, e)
+
+
+def load_config(target=DEFAULT_TARGET, trust_remote_code=False):
+    """The target's config alone (no weights)."""
+    from transformers import AutoConfig
+    path = resolve_target(target)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise remote_code_error(target, e)
+
+
+def load_target(target=DEFAULT_TARGET, dtype="float32", device="cpu", trust_remote_code=False):
+    """Load (model, tokenizer) for a target name/path. The model is in eval mode, grads off."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    transformers.utils.logging.disable_progress_bar()  # per-tensor "Loading weights" bars
+    path = resolve_target(target)
+    tok = load_tokenizer(target, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise remote_code_error(target, e)
     model.to(device).eval().requires_grad_(False)
     return model, tok
+
+
+class TargetHeads:
+    """The parts of a target the trainer needs: config, input embedding and lm_head (the
+    draft's frozen embedding and the target's logits from stored final hidden states). Stands in
+    for the model where only these are read (.config, get_input_embeddings(), ...)."""
+
+    def __init__(self, config, embed, lm_head):
+        import torch.nn as nn
+        self.config = config
+        self._embed = nn.Embedding.from_pretrained(embed, freeze=True)
+        self._head = nn.Linear(embed.shape[1], lm_head.shape[0], bias=False)
+        self._head.weight = nn.Parameter(lm_head, requires_grad=False)
+
+    def get_input_embeddings(self):
+        return self._embed
+
+    def get_output_embeddings(self):
+        return self._head
+
+
+def load_target_heads(target=DEFAULT_TARGET, trust_remote_code=False):
+    """(TargetHeads, tokenizer) in fp32, reading only the two [V, H] matrices from the target's
+    safetensors files: a trainer for a 1T-parameter MoE target must not load the whole model
+    (Kimi-K2: 2 x 163840 x 7168 fp32 = 9.4 GB instead of ~4 TB). Falls back to loading the model
+    when the files are not local safetensors with one embed_tokens and one lm_head tensor."""
+    import glob
+    path = resolve_target(target)
+    tok = load_tokenizer(target, trust_remote_code)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
+    found = {}
+    if files:
+        from safetensors import safe_open
+        for f in files:
+            with safe_open(f, "pt") as sf:
+                for k in sf.keys():
+                    for want in ("embed_tokens.weight", "lm_head.weight"):
+                        if k == want or k.endswith("." + want):
+                            found.setdefault(want, []).append((f, k))
+
+    def shallowest(cands):
+        # DeepSeek-V3's multi-token-prediction layer has its own model.layers.61.embed_tokens:
+        # the model's own tensor is the least nested one; a tie is ambiguous
+        cands = sorted(cands, key=lambda fk: fk[1].count("."))
+        return cands[:1] if len(cands) < 2 or cands[0][1].count(".") < cands[1][1].count(".") else cands
+    emb = shallowest(found.get("embed_tokens.weight", []))
+    head = shallowest(found.get("lm_head.weight", []))
+    config = load_config(target, trust_remote_code)
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    if len(emb) != 1 or len(head) > 1 or (not head and not tied):
+        model, tok = load_target(target, "float32", "cpu", trust_remote_code)
+        return TargetHeads(model.config, model.get_input_embeddings().weight.detach().float(),
+                           model.get_output_embeddings().weight.detach().float()), tok
+
+    def read(f, k):
+        from safetensors import safe_open
+        with safe_open(f, "pt") as sf:
+            t = sf.get_tensor(k)
+        if not t.is_floating_point() or t.element_size() < 2:  # fp8/int: needs the model's dequant
+            raise UserError(f"--target {target}: {k} is stored as {t.dtype}; expected a 16/32-bit "
+                            f"float matrix")
+        return t.float()
+    e = read(*emb[0])
+    return TargetHeads(config, e, read(*head[0]) if head else e), tok
 
 
 def parse_dtype(name):

@@ -15,6 +15,8 @@ talking. Steps, each resumable (a killed run continues where it stopped):
                   SGLang server's OpenAI-compatible chat endpoint).
   3. tokenize     render with the chat template; loss mask = assistant tokens including the
                   end-of-turn token, excluding the assistant header; truncate to --max-length.
+                  Works with slow (Python) tokenizers too. Thinking templates that drop earlier
+                  reasoning give one sequence per assistant turn (chat.py explains).
   4. vocab        the --draft-vocab-size most frequent loss-masked target ids -> d2t / t2d.
   5. hidden       (--hidden-states) the outputs of the three captured decoder layers and the
                   final (normed) hidden state, in safetensors shards.
@@ -23,7 +25,7 @@ Output directory (what train.py reads, through `load_dataset_dir` and `read_hidd
 
     manifest.json          target, tokenizer hash, counts, aux layer ids, shard list
     conversations.jsonl    {"messages": [...]} per line, the regenerated conversations
-    sequences.jsonl        {"input_ids": [...], "loss_mask": [...], "conversation": k} per line
+    sequences.jsonl        {"input_ids", "loss_mask", "conversation": k[, "turn": i]} per line
     vocab.safetensors      draft_ids [Vd], d2t [Vd], t2d bool [V], counts [V]
     hidden/shard-NNNNN.safetensors   aux.{k} [T, 3*Ht] and final.{k} [T, Ht] for k in [start, end)
 
@@ -166,10 +168,11 @@ OPENINGS = ["", "", "", "How", "How do I", "What", "What is", "What are", "Why",
 SENTINEL = "\u2063USER_MESSAGE\u2063"
 
 
-def user_turn_prefix(tok):
-    """The rendered text up to where the first user message would start (system prompt included:
-    the template's default, so synthesised prompts match what the model sees at serving time)."""
-    text = tok.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+def user_turn_prefix(tok, messages=()):
+    """The rendered text up to where the next user message would start, after `messages` (none:
+    the first turn, system prompt included, as the model sees it at serving time)."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tok.apply_chat_template(msgs + [{"role": "user", "content": SENTINEL}], tokenize=False)
     i = text.find(SENTINEL)
     if i < 0:
         raise UserError("the chat template drops the user message; cannot synthesise prompts")
@@ -266,10 +269,12 @@ def synthesize_prompts(model, tok, n, path, seed, batch_size, max_new_tokens, te
 # ----------------------------------------------------------------------------------------------
 # 2. Regenerate: the target answers every user turn itself
 
-def skeleton(conv):
+def skeleton(conv, followups=0):
     """The turns kept from a source conversation: system and user messages, with a None hole
     wherever an assistant answered (and after a final user turn). The holes get the target's
-    own answers; the source's answers are thrown away."""
+    own answers; the source's answers are thrown away. `followups` adds that many more rounds of
+    a user hole ({"role": "user", "content": None}: the target writes the user's next message)
+    and an answer hole."""
     out = []
     for m in conv:
         if m["role"] == "assistant":
@@ -279,27 +284,52 @@ def skeleton(conv):
             out.append(dict(m))
     if out and out[-1] is not None and out[-1]["role"] == "user":
         out.append(None)
+    for _ in range(followups):
+        out += [{"role": "user", "content": None}, None]
     return out
 
 
-def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed):
+def open_hole(conv):
+    """Index of the first hole of a conversation (an answer or a follow-up to write), or None."""
+    return next((j for j, m in enumerate(conv) if m is None or m["content"] is None), None)
+
+
+def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed, followup=None):
     """Fill the holes of a chunk of conversations, batched over conversations turn by turn: each
-    round answers the next open turn of every conversation that still has one."""
+    round fills the next open hole of every conversation that still has one.
+
+    Answer holes: the target answers (greedy at temperature 0). Follow-up user holes (Magpie, one
+    turn later): the target is fed the conversation so far plus the template's user-turn header and
+    samples what the user says next, with `followup` = (max_new_tokens, temperature, top_p); a
+    follow-up that comes out empty, cut off or degenerate ends the conversation there."""
     from common import chat_prompt_ids, stop_token_ids
     stop_ids = stop_token_ids(tok, model.config)
     convs = [list(s) for s in skeletons]
     rnd = 0
     while True:
-        todo = [(i, c.index(None)) for i, c in enumerate(convs) if None in c]
+        todo = [(i, open_hole(c)) for i, c in enumerate(convs) if open_hole(c) is not None]
         if not todo:
             break
         torch.manual_seed(seed * 1_000_003 + rnd)
-        prompts = [chat_prompt_ids(tok, convs[i][:j]) for i, j in todo]
-        outs = hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids)
-        for (i, j), (ids, finished) in zip(todo, outs):
-            convs[i][j] = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
-            if not finished:
-                convs[i][j]["truncated"] = True  # hit --max-new-tokens; the target had more to say
+        answers = [(i, j) for i, j in todo if convs[i][j] is None]
+        users = [(i, j) for i, j in todo if convs[i][j] is not None]
+        if answers:
+            prompts = [chat_prompt_ids(tok, convs[i][:j]) for i, j in answers]
+            outs = hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids)
+            for (i, j), (ids, finished) in zip(answers, outs):
+                convs[i][j] = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
+                if not finished:
+                    convs[i][j]["truncated"] = True  # hit --max-new-tokens; the target had more to say
+        if users:
+            prompts = [tok(user_turn_prefix(tok, convs[i][:j]), add_special_tokens=False)["input_ids"]
+                       for i, j in users]
+            outs = hf_generate(model, tok, prompts, *followup, stop_ids)
+            for (i, j), (ids, finished) in zip(users, outs):
+                text = clean_prompt(tok.decode(ids, skip_special_tokens=True)) if finished else None
+                if text is None:
+                    convs[i] = convs[i][:j]       # no usable follow-up: the conversation ends here
+                else:
+                    convs[i][j] = {"role": "user", "content": text}
         rnd += 1
     return convs
 
@@ -335,56 +365,9 @@ def regenerate(skeletons, path, fill, chunk):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Tokenize and mask
+# 3. Tokenize and mask: chat.py (rendering, assistant spans without offsets, thinking templates)
 
-def render(tok, messages, add_generation_prompt=False):
-    from jinja2.exceptions import TemplateError
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    try:
-        return tok.apply_chat_template(msgs, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
-    except TemplateError as e:  # e.g. "roles must alternate user/assistant"
-        raise UserError(f"the chat template refuses a conversation ({e}): "
-                        f"{json.dumps(msgs, ensure_ascii=False)[:200]}")
-
-
-def encode_conversation(tok, messages, max_length=None):
-    """(input_ids, loss_mask) of a conversation rendered with the chat template.
-
-    The assistant spans are found in TEXT, not tokens: for assistant turn i, rendering turns
-    [:i] with the generation prompt ends exactly where the answer starts, and rendering [:i+1]
-    ends after its end-of-turn marker (plus whitespace such as ChatML's trailing newline, which
-    the model never generates and is cut off; a turn marked "truncated" loses its end-of-turn
-    marker too, since the target never produced it). Token t is in the loss if its first character
-    lies in such a span. This works for any template that renders incrementally (ChatML,
-    Llama-3, Mistral, ...) without knowing its header strings."""
-    full = render(tok, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = render(tok, messages[:i], add_generation_prompt=True)
-        upto = render(tok, messages[:i + 1])
-        if not (upto.startswith(before) and full.startswith(upto)):
-            raise UserError("the chat template does not render conversations incrementally "
-                            "(an earlier turn changes when later turns are added), so the "
-                            "assistant spans cannot be located")
-        end = len(upto.rstrip())
-        if m.get("truncated"):
-            # cut at --max-new-tokens: the end-of-turn marker after it is the template's, not
-            # the target's, so it stays out of the loss (the answer text itself stays in)
-            text = m["content"].strip()
-            j = upto.find(text, len(before)) if text else -1
-            end = j + len(text) if j >= 0 else len(before)
-        spans.append((len(before), end))
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = []
-    for s, e in offsets:
-        mask.append(int(any(a <= s < b for a, b in spans)))
-    if max_length is not None:
-        ids, mask = ids[:max_length], mask[:max_length]
-    return list(ids), mask
+from chat import encode_conversation, encode_samples, render  # noqa: E402,F401  (used by tests)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -638,6 +621,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run Python code shipped with the target (e.g. Kimi-K2's model and tokenizer)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", help="JSONL: ShareGPT, OpenAI messages or {\"prompt\": ...} lines")
     src.add_argument("--dataset", help="a hub data set name (needs `datasets` and the network)")
@@ -656,6 +641,9 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=0.7, help="regeneration temperature")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=512, help="per regenerated turn")
+    ap.add_argument("--followups", type=int, default=0, metavar="K",
+                    help="multi-turn data: after each answer the target writes the user's next "
+                         "message (Magpie) and answers it, K more times (hf backend)")
     ap.add_argument("--synth-temperature", type=float, default=1.0)
     ap.add_argument("--synth-top-p", type=float, default=0.95)
     ap.add_argument("--synth-max-new-tokens", type=int, default=64,
@@ -682,6 +670,11 @@ def check_args(args):
                  "synth_max_new_tokens", "synth_batch_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.followups < 0:
+        raise UserError(f"--followups {args.followups}: expected >= 0")
+    if args.followups and (args.backend != "hf" or not args.regenerate):
+        raise UserError("--followups needs --backend hf and regeneration: the target writes the "
+                        "follow-up user turns from raw text, which a chat endpoint cannot do")
     if args.synthesize is not None and args.synthesize < 1:
         raise UserError("--synthesize N needs N >= 1")
     if args.limit is not None and args.limit < 1:
@@ -709,24 +702,18 @@ def main(argv=None):
     # --- everything that can go wrong with the user's input is checked before writing anything
     need_hf_model = args.backend == "hf" and (args.regenerate or args.hidden_states or args.synthesize)
     if need_hf_model:
-        target, tok = load_target(args.target, dtype=parse_dtype(args.dtype), device=args.device)
+        target, tok = load_target(args.target, dtype=parse_dtype(args.dtype), device=args.device,
+                                  trust_remote_code=args.trust_remote_code)
         tcfg = target.config
     else:
-        from transformers import AutoConfig, AutoTokenizer
-        path = resolve_target(args.target)
-        try:
-            tok = AutoTokenizer.from_pretrained(path)
-            tcfg = AutoConfig.from_pretrained(path)
-        except OSError as e:
-            raise UserError(f"--target {args.target}: cannot load ({str(e).splitlines()[0]})")
+        from common import load_config, load_tokenizer
+        tok = load_tokenizer(args.target, args.trust_remote_code)
+        tcfg = load_config(args.target, args.trust_remote_code)
         target = None
     tcfg = tcfg.get_text_config()
     if not getattr(tok, "chat_template", None):
         raise UserError(f"--target {args.target}: the tokenizer has no chat template; EAGLE-3 data "
                         f"is rendered conversations (set tokenizer.chat_template first)")
-    if not getattr(tok, "is_fast", False):
-        raise UserError(f"--target {args.target}: needs a fast tokenizer (character offsets "
-                        f"locate the assistant turns)")
     V, L = tcfg.vocab_size, tcfg.num_hidden_layers
     Vd = args.draft_vocab_size or min(32000, V)
     if not 0 < Vd <= V:
@@ -769,6 +756,8 @@ def main(argv=None):
     old = check_out_dir(out, args.target, tok_hash)
     regen = {"regenerate": args.regenerate, "backend": args.backend, "temperature": args.temperature,
              "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    if args.followups:   # (absent when 0, so data sets made before the flag resume unchanged)
+        regen["followups"] = args.followups
     started = os.path.exists(os.path.join(out, CONVERSATIONS)) and os.path.getsize(
         os.path.join(out, CONVERSATIONS)) > 0  # answers written under the old settings
     if old and started and old.get("regeneration", regen) != regen:
@@ -790,11 +779,12 @@ def main(argv=None):
     # --- 2. regenerate
     cpath = os.path.join(out, CONVERSATIONS)
     if args.regenerate:
-        skeletons = [skeleton(c) for c in convs]
+        skeletons = [skeleton(c, args.followups) for c in convs]
         if args.backend == "hf":
             def fill(chunk, start):
                 return fill_hf(target, tok, chunk, args.max_new_tokens, args.temperature,
-                               args.top_p, args.seed * 1_000_003 + start)
+                               args.top_p, args.seed * 1_000_003 + start,
+                               (args.synth_max_new_tokens, args.synth_temperature, args.synth_top_p))
             chunk = args.batch_size
         else:
             import sglang_engine  # every SGLang call lives there
@@ -820,15 +810,20 @@ def main(argv=None):
         atomic_write_jsonl(cpath, rows)
 
     # --- 3. tokenize and mask
-    sequences, dropped, truncated_turns = [], 0, 0
+    sequences, dropped, truncated_turns, per_turn = [], 0, 0, 0
     for k, row in enumerate(rows):
         msgs = row["messages"]
         truncated_turns += sum(1 for m in msgs if m.get("truncated"))
-        ids, mask = encode_conversation(tok, msgs, args.max_length)
-        if sum(mask) == 0:
-            dropped += 1  # the assistant part was cut off by --max-length: nothing to learn
-            continue
-        sequences.append({"input_ids": ids, "loss_mask": mask, "conversation": k})
+        samples = encode_samples(tok, msgs, args.max_length)
+        per_turn += samples[0][2] is not None  # a thinking template: one sample per turn
+        for ids, mask, turn in samples:
+            if sum(mask) == 0:
+                dropped += 1  # the assistant part was cut off by --max-length: nothing to learn
+                continue
+            seq = {"input_ids": ids, "loss_mask": mask, "conversation": k}
+            if turn is not None:
+                seq["turn"] = turn
+            sequences.append(seq)
     if not sequences:
         raise UserError(f"no sequence keeps an assistant token within --max-length {args.max_length}")
 
@@ -847,7 +842,8 @@ def main(argv=None):
                 return target_hidden_states(target, seqs, layer_ids, args.batch_size)
         else:
             import sglang_engine as sge  # every SGLang call lives there
-            runner = sge.runner(resolve_target(args.target), args.dtype)
+            runner = sge.runner(resolve_target(args.target), args.dtype,
+                                trust_remote_code=args.trust_remote_code)
 
             def compute(seqs):
                 return sge.hidden_states(runner, seqs, layer_ids, args.batch_size)
@@ -862,6 +858,7 @@ def main(argv=None):
         "max_length": args.max_length, "num_conversations": len(rows),
         "num_sequences": len(sequences), "num_tokens": num_tokens, "num_loss_tokens": num_loss,
         "num_dropped": dropped, "num_truncated_turns": truncated_turns, "num_bad_lines": bad,
+        "num_per_turn_conversations": per_turn,
         "draft_vocab_size": Vd, "coverage": coverage, "coverage_at": {str(k): v for k, v in cov.items()},
         "aux_layer_ids": layer_ids, "num_hidden_layers": L, "hidden_size": tcfg.hidden_size,
         "hidden": hidden, "complete": True})
@@ -870,6 +867,9 @@ def main(argv=None):
     print(f"{out}: {len(sequences)} sequences, {num_tokens:,} tokens ({num_loss:,} in the loss), "
           f"{dropped} dropped (no assistant token within --max-length), {truncated_turns} turns "
           f"cut at --max-new-tokens")
+    if per_turn:
+        print(f"{per_turn} conversations split into one sequence per assistant turn: the chat "
+              f"template drops earlier turns' reasoning (see chat.py)")
     print(f"draft vocab {Vd}: coverage {coverage:.4f} of assistant tokens "
           f"({', '.join(f'{k // 1024}k: {v:.4f}' for k, v in cov.items())}; "
           f"{int((vocab['counts'] > 0).sum())} distinct tokens seen)")

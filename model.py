@@ -23,6 +23,8 @@ draft id i is target id `i + d2t[i]`, and `t2d[j]` says whether target id j is i
 Usage as a script:
     python model.py --target default --out drafts/new [--draft-vocab-size 8192]   # fresh draft
     python model.py drafts/new                                                  # inspect one
+    python model.py --target moonshotai/Kimi-K2-Instruct --trust-remote-code \
+        --draft-vocab-size 32000 --dry-run      # the draft's config.json and size, nothing written
 """
 import argparse
 import json
@@ -103,18 +105,47 @@ class DraftConfig:
 
 
 def default_aux_layers(num_layers):
-    """Low, middle, high: the outputs of decoder layers 1, L//2-1 and L-4 (reference §2)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """Low, middle, high: the outputs of decoder layers 1, L//2-1 and L-4 (reference §2).
+
+    Usable ids are 0..L-2 (layer L-1's output is only seen after the final norm). For L >= 7 the
+    rule gives three distinct ids; below that it repeats a layer (L = 6: [1, 2, 2]), so small
+    targets get the lowest, middle and highest usable layers instead: [0, (L-2)//2, L-2]. Three
+    distinct ids need at least 3 usable layers, i.e. L >= 4."""
+    L = num_layers
+    if L < 4:
+        raise UserError(f"target has {L} layers: EAGLE-3 captures three distinct layers among "
+                        f"the {max(L - 1, 0)} usable ones (0..L-2), which needs at least 4 layers")
+    ids = [1, L // 2 - 1, L - 4]
+    if not ids[0] < ids[1] < ids[2]:
+        ids = [0, (L - 2) // 2, L - 2]
+    return ids
+
+
+def is_mla(tcfg):
+    """DeepSeek-V2/V3-style multi-head latent attention (DeepSeek-V3, Kimi-K2): keys and values
+    come from a compressed latent (kv_lora_rank) and RoPE acts on a separate qk_rope_head_dim slice."""
+    return getattr(tcfg, "kv_lora_rank", None) is not None
+
+
+# Draft RoPE for MLA targets, as in the public Kimi-K2 drafts. The target's own RoPE (YaRN on a
+# 64-dim slice of each head, original context 4096) has no counterpart in a Llama layer with
+# 128-dim heads, so the draft gets plain RoPE with a base large enough for 128k positions.
+MLA_DRAFT_ROPE_THETA = 1e6
 
 
 def config_from_target(tcfg, draft_vocab_size=None, aux_layer_ids=None):
-    """A draft config for a Llama-like target config: every shape and RoPE setting is copied."""
+    """A draft config for a target config.
+
+    Llama-like targets (Llama, Qwen, Mistral, ...): every shape and RoPE setting is copied.
+    MLA targets (DeepSeek-V3, Kimi-K2): a Llama layer cannot copy MLA's head dims, so the draft
+    takes the shape of the public Kimi-K2 drafts: width H = Ht, one head per target head
+    (num_attention_heads) as plain multi-head attention (kv heads = heads), head_dim = the
+    target's v_head_dim (128), MLP width = the target's dense MLP (intermediate_size, not the
+    MoE experts' moe_intermediate_size), plain RoPE with theta 1e6 and no scaling, and the
+    target's max_position_embeddings. For Kimi-K2: 7168 wide, 64 x 128 heads, MLP 18432."""
     tcfg = getattr(tcfg, "text_config", tcfg)  # multimodal wrappers keep the LM config inside
     L = tcfg.num_hidden_layers
     if aux_layer_ids is None:
-        if L < 5:
-            raise UserError(f"target has {L} layers; the default captured layers [1, L//2-1, L-4] "
-                            f"need at least 5: pass the layer ids explicitly")
         aux_layer_ids = default_aux_layers(L)
     H = tcfg.hidden_size
     nh = tcfg.num_attention_heads
@@ -124,11 +155,15 @@ def config_from_target(tcfg, draft_vocab_size=None, aux_layer_ids=None):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope_scaling = None if rope_type == "default" else {k: v for k, v in rope.items()
                                                         if k != "rope_theta"}
+    nkv = getattr(tcfg, "num_key_value_heads", None) or nh
+    head_dim = getattr(tcfg, "head_dim", None) or H // nh
+    if is_mla(tcfg):
+        nkv, head_dim = nh, tcfg.v_head_dim
+        rope_theta, rope_scaling = MLA_DRAFT_ROPE_THETA, None
     eos = tcfg.eos_token_id
     return DraftConfig(
         hidden_size=H, intermediate_size=tcfg.intermediate_size, num_attention_heads=nh,
-        num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or nh,
-        head_dim=getattr(tcfg, "head_dim", None) or H // nh,
+        num_key_value_heads=nkv, head_dim=head_dim,
         vocab_size=tcfg.vocab_size,
         draft_vocab_size=draft_vocab_size or tcfg.vocab_size,
         target_hidden_size=H, aux_layer_ids=list(aux_layer_ids),
@@ -136,6 +171,53 @@ def config_from_target(tcfg, draft_vocab_size=None, aux_layer_ids=None):
         max_position_embeddings=tcfg.max_position_embeddings,
         bos_token_id=tcfg.bos_token_id, eos_token_id=eos,
     )
+
+
+# Fields of an explicit draft config (--draft-config, like SpecForge's --draft-model-config) that
+# may differ from the automatic choice. The rest is fixed by the target and the data.
+SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
+
+
+def apply_draft_config(cfg, path, flag="--draft-config"):
+    """Override cfg's shape with a JSON draft config (e.g. a public draft's config.json). Fields
+    that must agree with the target or data (hidden_size, vocab_size, draft_vocab_size,
+    target_hidden_size, aux layers, one layer, SiLU) are checked, not taken."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: no such file")
+    d = read_json(path)
+    # transformers 5 writes RoPE as rope_parameters; older files as rope_theta + rope_scaling
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict):
+        d.setdefault("rope_theta", rp.get("rope_theta"))
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        d.setdefault("rope_scaling", None if kind == "default" else
+                     {k: v for k, v in rp.items() if k != "rope_theta"})
+    fixed = {"hidden_size": cfg.hidden_size, "target_hidden_size": cfg.target_hidden_size,
+             "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+             "num_hidden_layers": 1, "hidden_act": "silu"}
+    for k, want in fixed.items():
+        if k in d and d[k] != want:
+            raise UserError(f"{flag} {path}: {k} is {d[k]!r}, but this draft needs {want!r} "
+                            f"(set by the target, the data or the one-layer SiLU draft)")
+    layers = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layers is not None and list(layers) != list(cfg.aux_layer_ids):
+        raise UserError(f"{flag} {path}: eagle_aux_hidden_state_layer_ids {layers} differ from the "
+                        f"layers {cfg.aux_layer_ids} this draft reads (--aux-layers / the data)")
+    kw = {k: d[k] for k in SHAPE_FIELDS if k in d and (d[k] is not None or k == "rope_scaling")}
+    if "head_dim" not in kw and "num_attention_heads" in kw:
+        kw["head_dim"] = cfg.hidden_size // kw["num_attention_heads"]
+    for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "max_position_embeddings"):
+        if k in kw and not (isinstance(kw[k], int) and kw[k] > 0):
+            raise UserError(f"{flag} {path}: {k} must be a positive integer, got {kw[k]!r}")
+    out = DraftConfig(**{**asdict(cfg), **kw})
+    if out.num_attention_heads % out.num_key_value_heads:
+        raise UserError(f"{flag} {path}: num_attention_heads {out.num_attention_heads} is not a "
+                        f"multiple of num_key_value_heads {out.num_key_value_heads}")
+    if out.head_dim % 2:
+        raise UserError(f"{flag} {path}: head_dim {out.head_dim} must be even (RoPE rotates pairs)")
+    return out
 
 
 def check_fits(cfg, tcfg, where="draft"):
@@ -299,6 +381,21 @@ class MidLayer(nn.Module):
         return self.finish(g, self.self_attn(self.attn_input(e, g), cos, sin, cache, mask))
 
 
+def fc_weight_for_features(hidden_size, target_hidden_size, feature_rms, generator=None):
+    """A fresh fc weight [H, 3*Ht] for features of the given scale: feature_rms [3] is the typical
+    per-row RMS of each captured layer. Block i of the columns gets std 1 / (rms_i sqrt(3 Ht)), so
+    each layer adds variance 1/3 and g = fc(aux) starts at RMS ~1, each layer heard equally.
+    Why: targets' residual streams grow with depth (SmolLM2-135M: RMS ~2.7 / 6.2 / 22.9 at layers
+    1 / 14 / 26). With a std-0.02 init fc(aux) starts at RMS ~11, 50x the attention branch (~0.2),
+    so h2 = g + attn + mlp is at first a linear read-out of the deepest layer and the decoder
+    layer's share must grow ~50x before it counts. Only the init changes, not the format."""
+    Ht = target_hidden_size
+    w = torch.empty(hidden_size, 3 * Ht)
+    for i, r in enumerate(torch.as_tensor(feature_rms, dtype=torch.float32).tolist()):
+        w[:, i * Ht:(i + 1) * Ht].normal_(0.0, 1.0 / (r * math.sqrt(3 * Ht)), generator=generator)
+    return w
+
+
 # ----------------------------------------------------------------------------------------------
 # The draft model
 
@@ -459,7 +556,7 @@ def describe(path):
     print(f"total {total:,} elements")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("draft", nargs="?", help="a saved draft directory to describe")
@@ -469,22 +566,41 @@ def main():
                     help="rows of lm_head; default the whole target vocabulary")
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
                     help="target layers to capture (default 1, L//2-1, L-4)")
+    ap.add_argument("--draft-config", default=None,
+                    help="JSON draft config (e.g. a public draft's config.json) whose shape fields "
+                         "(heads, head_dim, MLP size, RoPE, max positions) replace the automatic choice")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run Python code shipped with the target (e.g. Kimi-K2's config)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the draft's config.json and parameter count; write nothing")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.draft:
         return describe(args.draft)
-    if not args.out:
+    if not args.out and not args.dry_run:
         raise UserError("give a draft directory to describe, or --out DIR to create a draft")
-    from common import load_target, parse_dtype
-    target, _ = load_target(args.target)
-    V = target.config.vocab_size
+    from common import load_config, parse_dtype
+    # Only the target's config is read: the draft shares the target's embedding, which SGLang
+    # substitutes at load time and which is not saved when H == Ht (always, see apply_draft_config).
+    tcfg = load_config(args.target, args.trust_remote_code)
+    tcfg = getattr(tcfg, "text_config", tcfg)
+    V = tcfg.vocab_size
     if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= V:
         raise UserError(f"--draft-vocab-size {args.draft_vocab_size}: expected 1..{V}")
-    cfg = config_from_target(target.config, args.draft_vocab_size, args.aux_layers)
-    check_fits(cfg, target.config, "--aux-layers")
-    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    cfg = config_from_target(tcfg, args.draft_vocab_size, args.aux_layers)
+    check_fits(cfg, tcfg, "--aux-layers")
+    if args.draft_config:
+        cfg = apply_draft_config(cfg, args.draft_config)
+    with torch.device("meta"):   # shapes only, no memory: the count for --dry-run
+        n = sum(p.numel() for p in Eagle3Draft(cfg).export_state_dict().values()
+                if p.is_floating_point())
+    if args.dry_run:
+        print(json.dumps(cfg.to_sglang_json(), indent=2))
+        print(f"{n:,} parameters ({n * 2 / 2**30:.2f} GiB in bf16), layers {cfg.aux_layer_ids}, "
+              f"draft vocab {cfg.draft_vocab_size}")
+        return
+    draft = Eagle3Draft(cfg)
     draft.save_pretrained(args.out, dtype=parse_dtype(args.dtype))
-    n = sum(p.numel() for k, p in draft.export_state_dict().items() if p.is_floating_point())
     print(f"wrote an untrained draft to {args.out}: {n:,} parameters, layers {cfg.aux_layer_ids}, "
           f"draft vocab {cfg.draft_vocab_size}")
 

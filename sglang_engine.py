@@ -262,7 +262,7 @@ def fill_http(url, model_name, skeletons, max_new_tokens, temperature, top_p, co
 #     takes the ScheduleBatch itself (get_model_worker_batch is gone).
 
 def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_tokens=None,
-           gpu_id=0):
+           gpu_id=0, trust_remote_code=False):
     """An in-process SGLang ModelRunner on one device (tp 1), set up as one_batch.py does.
     One per process: it publishes process-wide config and starts a (1-rank) process group.
     `max_total_tokens` caps the KV pool (the online producer shares the GPU with the trainer)."""
@@ -280,7 +280,8 @@ def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_toke
     device = sglang_device()
     kw = dict(model_path=model_path, dtype=dtype, device=device, tp_size=1,
               mem_fraction_static=mem_fraction_static, disable_cuda_graph=True,
-              skip_tokenizer_init=True, disable_radix_cache=True)
+              skip_tokenizer_init=True, disable_radix_cache=True,
+              trust_remote_code=trust_remote_code)
     if max_total_tokens:
         kw["max_total_tokens"] = max_total_tokens
     server_args = ServerArgs(**kw)

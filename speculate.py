@@ -434,6 +434,8 @@ def main():
     ap = argparse.ArgumentParser(description="EAGLE-3 draft-verify decoding in plain PyTorch.")
     ap.add_argument("--draft", required=True, help="draft directory (config.json + model.safetensors)")
     ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run Python code shipped with the target (e.g. Kimi-K2's model and tokenizer)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--prompts", help="JSONL of prompts / messages / ShareGPT conversations")
@@ -477,7 +479,7 @@ def main():
     else:
         prompts = [[{"role": "user", "content": p}] for p in
                    ([args.prompt] if args.prompt is not None else DEFAULT_PROMPTS)]
-    target, tok = load_target(args.target, dtype, args.device)
+    target, tok = load_target(args.target, dtype, args.device, args.trust_remote_code)
     draft = load_draft_for(args.draft, target, dtype)
     stop = stop_token_ids(tok, target.config)
     spec = Speculator(target, draft, args.steps, args.topk, args.num_draft_tokens,

@@ -9,22 +9,7 @@ DIR is a data set written by generate.py (manifest.json, sequences.jsonl, vocab.
 for --offline, hidden/shard-*.safetensors). Online (the default) a producer process runs the target
 next to the trainer and hands its hidden states over through a bounded queue.
 
-The math, for one sequence x_0 .. x_{T-1} with target features h_t (three target layers, concat):
-
-  row t at TTT step j  =  feature g_j[t], token x_{t+j+1}, RoPE position t + j
-      g_0[t] = fc(h_t)                      g_j[t] = h2_{j-1}[t]  (the previous step's pre-norm out)
-  it predicts x_{t+j+2}, supervised by the target's distribution at position t+j+1:
-      p_j[t] = softmax(target_lm_head(final_{t+j+1}) restricted to the draft vocab)
-  and it attends to the step-0 keys of rows 0..t (causal) plus its OWN keys of steps 1..j, which is
-  exactly what the draft's KV cache holds when it drafts j tokens past row t at decode time.
-
-  loss = sum_j 0.8**j * mean over valid rows of  -sum_v p_j[t, v] log q_j[t, v]
-  valid_j[t]: x_{t+j+2} is a loss token (assistant) and argmax of the target at t+j+1 is in the
-              draft vocab (the draft could never propose it otherwise)
-  acc_j: share of valid rows where argmax q_j == argmax p_j
-  simulated accept length of a chain of k drafts: 1 + sum_{m<k} prod_{i<=m} acc_i
-  replayed accept length: greedy chain decoding (3 drafts) replayed over the rows, see
-                          replay_decoding; the closer predictor of what speculate.py measures
+The math of one step (TTT, the loss, the metrics) is ttt.py; this file is everything around it.
 
 The run directory holds log.jsonl, curves.png and checkpoints/step-NNNNNN/ (config.json +
 model.safetensors, which SGLang and speculate.py load directly, plus trainer_state.pt for --resume).
@@ -43,12 +28,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from common import UserError, run_main
-
-LOSS_DECAY = 0.8   # weight of TTT step j is 0.8**j
+from ttt import TTTLoss, metrics, replay_decoding, shift_left, target_side, valid_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +155,8 @@ def check_offline(data_path, manifest):
 # Online: a target producer process feeding a bounded queue
 
 def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, layer_ids,
-                  batch_size, threads, hidden_dtype, backend="transformers"):
+                  batch_size, threads, hidden_dtype, trust_remote_code=False,
+                  backend="transformers"):
     """Runs in its own process: for each job (key, sequence ids) compute the target's hidden
     states and put (key, [(aux, final), ...]) in the queue. put() blocks when the queue is full,
     so the producer runs at most `prefetch` batches ahead of the trainer. The target runs in
@@ -187,14 +170,15 @@ def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, lay
             longest = max((len(seqs[k]) for _, idx in jobs for k in idx), default=1)
             runner = sglang_engine.runner(resolve_target(target_name), target_dtype,
                                           max_total_tokens=batch_size * longest + 256,
-                                          gpu_id=torch.device(device).index or 0)
+                                          gpu_id=torch.device(device).index or 0,
+                                          trust_remote_code=trust_remote_code)
 
             def target_hidden_states(_, seqs, layer_ids, batch_size):
                 return sglang_engine.hidden_states(runner, seqs, layer_ids, batch_size)
             target = None
         else:
             from generate import target_hidden_states
-            target, _ = load_target(target_name, target_dtype, device)
+            target, _ = load_target(target_name, target_dtype, device, trust_remote_code)
         hd = parse_dtype(hidden_dtype)
         for key, idx in jobs:
             with torch.inference_mode():
@@ -223,7 +207,8 @@ class Online:
         ids = [s["input_ids"] for s in seqs]
         self.proc = ctx.Process(target=producer_main, daemon=True, args=(
             self.q, self.release, args.target, args.target_dtype, args.device, ids, jobs, layer_ids,
-            args.producer_batch_size, args.producer_threads, args.hidden_dtype, args.target_backend))
+            args.producer_batch_size, args.producer_threads, args.hidden_dtype,
+            args.trust_remote_code, args.target_backend))
         self.proc.start()
         self.wait = 0.0
 
@@ -291,178 +276,24 @@ def collate(seqs, idx, hidden, device):
     return ids.to(device), mask.to(device), aux.to(device), final.to(device)
 
 
-# ----------------------------------------------------------------------------------------------
-# The target's side of the loss: its next-token distribution from the stored final hidden state
-
 @torch.no_grad()
-def target_side(final, lm_head_w, draft_ids, t2d, need=None, chunk=1024):
-    """final [B, T, Ht] (post-final-norm) -> the target's next-token distribution at every
-    position, over the draft vocabulary (softmax restricted to it and renormalised) as probs
-    [B*T, Vd] fp32, its argmax [B*T] as a draft id, and in_vocab [B, T]: is the target's argmax
-    over the FULL vocabulary inside the draft vocabulary. Only rows in `need` [B, T] (default all)
-    are computed, the rest left zero/False: the full-vocabulary product is the costliest part of a
-    row, and prompt rows and padding never reach the loss. Chunked so the [rows, V] logits never
-    exist for the whole batch at once."""
-    B, T, Ht = final.shape
-    flat = final.reshape(-1, Ht)
-    rows = (torch.arange(B * T, device=final.device) if need is None
-            else need.reshape(-1).nonzero().squeeze(1))
-    probs = torch.zeros(B * T, len(draft_ids), device=final.device)
-    inv = torch.zeros(B * T, dtype=torch.bool, device=final.device)
-    for i in range(0, rows.numel(), chunk):
-        r = rows[i:i + chunk]
-        full = flat[r].to(lm_head_w.dtype) @ lm_head_w.T           # [rows, V]
-        inv[r] = t2d[full.argmax(-1)]
-        probs[r] = torch.softmax(full[:, draft_ids].float(), -1)
-    return probs, probs.argmax(-1), inv.view(B, T)
-
-
-def shift_left(x, k, fill=0):
-    """x[:, t] <- x[:, t + k], the last k entries filled: row t looks k positions ahead."""
-    if k == 0:
-        return x
-    pad = torch.full_like(x[:, :k], fill)
-    return torch.cat([x[:, k:], pad], 1)
-
-
-def valid_rows(mask, in_vocab, J):
-    """valid[j][b, t] = x_{t+j+2} is a loss token and the target's argmax at t+j+1 is in the
-    draft vocabulary: the loss mask shifts left by one more each step."""
-    return torch.stack([shift_left(mask, j + 2, False) & shift_left(in_vocab, j + 1, False)
-                        for j in range(J)])
-
-
-# ----------------------------------------------------------------------------------------------
-# Training-time test
-
-def repeat_kv(x, n):
-    """[B, nkv, T, hd] -> [B, nkv*n, T, hd]; head h reads kv head h // n (as SDPA's enable_gqa)."""
-    return x if n == 1 else x.repeat_interleave(n, dim=1)
-
-
-def ttt_attention(q, k0, v0, ks, vs):
-    """TTT attention for one step j = len(ks).
-    q [B, nh, T, hd]: this step's queries; k0, v0 [B, nh, T, hd]: step-0 keys/values of all rows;
-    ks, vs: lists of j tensors [B, nh, T, hd], row t's own keys/values at steps 1..j.
-    Row t attends to k0[0..t] (causal) and to ks[i][t] for every i: the scores against the cached
-    steps are diagonals (row t with its own row t), so each costs one dot product per row instead
-    of a [T, T] matrix. Concatenated with the causal scores, one softmax over T + j keys."""
-    T = q.shape[2]
-    q = q * q.shape[-1] ** -0.5
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    s0 = (q @ k0.transpose(-1, -2)).masked_fill(~causal, float("-inf"))   # [B, nh, T, T]
-    sd = [(q * k).sum(-1, keepdim=True) for k in ks]                       # j x [B, nh, T, 1]
-    p = torch.softmax(torch.cat([s0] + sd, -1), -1, dtype=torch.float32).to(v0.dtype)
-    out = p[..., :T] @ v0
-    for i, v in enumerate(vs):
-        out = out + p[..., T + i:T + i + 1] * v
-    return out
-
-
-def ttt_unroll(draft, ids, aux, J):
-    """Run J TTT steps over a batch; yields h2 [B, T, H] of each step (pre-norm: logits are
-    lm_head(norm(h2)), computed by the caller for the rows it needs).
-    Step j: token x_{t+j+1}, position t+j, feature fc(aux) at j = 0, else the previous h2."""
-    B, T = ids.shape
-    attn = draft.midlayer.self_attn
-    rep = attn.nh // attn.nkv
-    pos = torch.arange(T, device=ids.device)[None].expand(B, T)
-    g = draft.fuse(aux)
-    k0 = v0 = None
-    ks, vs = [], []
-    for j in range(J):
-        e = draft.embed_tokens(shift_left(ids, j + 1)).to(g.dtype)
-        cos, sin = draft.rotary(pos + j, g.dtype)
-        q, k, v = attn.project(draft.midlayer.attn_input(e, g), cos, sin)
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        if j == 0:
-            k0, v0 = k, v
-        else:
-            ks.append(k)
-            vs.append(v)
-        o = ttt_attention(q, k0, v0, ks, vs)
-        o = attn.o_proj(o.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
-        h2 = draft.midlayer.finish(g, o)
-        yield h2
-        g = h2
-
-
-class TTTLoss(nn.Module):
-    """The unit FSDP2 shards: its forward is one TTT unroll and its loss, so FSDP's hooks gather
-    the draft's parameters around exactly this computation and reduce-scatter its gradients."""
-
-    def __init__(self, draft, ttt_length):
-        super().__init__()
-        self.draft, self.J = draft, ttt_length
-
-    def forward(self, ids, aux, targ_p, targ_argmax, valid, denom, scale):
-        """targ_p [B*T, Vd], targ_argmax [B*T]: the target at every position (target_side);
-        valid [J, B, T]; denom [J]: valid rows per step over the GLOBAL batch, so the loss is the
-        same however the batch is split over ranks; scale: world size (FSDP averages gradients).
-        Only valid rows go through lm_head and the softmax: prompt rows, padding and the tail of
-        the unroll cost no vocabulary-sized work. Returns the loss, per-step sums [3, J] (soft CE,
-        correct, valid rows) and correct [J, B*T]: which rows' argmax matched at each step."""
-        B, T = ids.shape
-        loss = 0.0
-        stats = torch.zeros(3, self.J, device=ids.device)   # ce sum, correct, valid rows
-        correct = torch.zeros(self.J, B * T, dtype=torch.bool, device=ids.device)
-        for j, h2 in enumerate(ttt_unroll(self.draft, ids, aux, self.J)):
-            rows = valid[j].reshape(-1).nonzero().squeeze(1)           # flat b*T + t
-            lg = self.draft.lm_head(self.draft.norm(h2.reshape(B * T, -1)[rows])).float()
-            p = targ_p[rows + j + 1]                                  # the target at t+j+1
-            # soft cross-entropy -sum p log softmax(lg) = logsumexp(lg) - p.lg, since sum p = 1
-            ce_sum = (torch.logsumexp(lg, -1) - (p * lg).sum(-1)).sum()
-            loss = loss + LOSS_DECAY ** j * ce_sum / denom[j].clamp_min(1) * scale
-            ok = lg.argmax(-1) == targ_argmax[rows + j + 1]
-            correct[j, rows] = ok
-            stats[0, j] = ce_sum.detach()
-            stats[1, j] = ok.sum()
-            stats[2, j] = rows.numel()
-        return loss, stats, correct
-
-
-def replay_decoding(correct, mask, k=3):
-    """Replay greedy chain decoding with k drafts per round over each sequence's assistant turns,
-    from which draft steps were right at which row: a round at row t (root x_{t+1} committed)
-    accepts the leading correct steps, a, and commits a + 1 tokens (the bonus), so the next round
-    starts at row t + a + 1. A turn's first round starts at the row whose token is the turn's
-    first token (the target's prefill produced it). With target-greedy data this is what
-    speculate.py measures. The product formula assumes rounds start at random rows; real rounds
-    start right after a miss, where the next token is often hard too, so it reads high.
-    correct [J, B*T] bool, mask [B, T] loss mask -> tensor [tokens committed, rounds]."""
-    B, T = mask.shape
-    k = min(k, correct.shape[0])
-    lead = correct[:k].long().cumprod(0).sum(0).view(B, T).tolist()
-    m = mask.tolist()
-    tokens = rounds = 0
-    for b in range(B):
-        t = 0
-        while t + 2 < T:
-            if m[b][t + 1] and m[b][t + 2]:   # an assistant token to guess after the root
-                a = lead[b][t]
-                tokens, rounds = tokens + a + 1, rounds + 1
-                t += a + 1
-            else:
-                t += 1
-    return torch.tensor([float(tokens), float(rounds)])
-
-
-def metrics(stats, replay):
-    """Loss, accuracy per step and the simulated accept lengths from summed statistics."""
-    ce, correct, n = stats.tolist()
-    J = len(n)
-    acc = [c / max(m, 1) for c, m in zip(correct, n)]
-    loss_j = [c / max(m, 1) for c, m in zip(ce, n)]
-
-    def accept(k):   # 1 + sum_{m<k} prod_{i<=m} acc_i
-        tot, prod = 1.0, 1.0
-        for a in acc[:k]:
-            prod *= a
-            tot += prod
-        return tot
-    return {"loss": sum(LOSS_DECAY ** j * loss_j[j] for j in range(J)), "loss_j": loss_j,
-            "acc_j": acc, "accept_len_3": accept(3), "accept_len_full": accept(J),
-            "replay_accept_3": replay[0].item() / max(replay[1].item(), 1), "rows": n[0]}
+def init_fc_for_features(module, hidden, seed):
+    """--fc-init rms (model.fc_weight_for_features): measure the captured layers' scale on the
+    hidden states of a few sequences (the median row RMS of each layer: the first row of a
+    sequence, an attention sink, can be 100x the rest) and redraw fc for it. Done after
+    sharding: every rank draws the same full matrix from a seeded generator and keeps its shard,
+    so N processes start where one does. Returns the RMS [3]."""
+    from model import fc_weight_for_features
+    aux = torch.cat([a for a, _ in hidden]).float()
+    rms = aux.view(aux.shape[0], 3, -1).pow(2).mean(-1).sqrt().median(0).values
+    w = module.draft.fc.weight
+    full = fc_weight_for_features(w.shape[0], w.shape[1] // 3, rms,
+                                  torch.Generator().manual_seed(seed)).to(w.dtype)
+    if hasattr(w, "device_mesh"):    # an FSDP2 DTensor: keep this rank's shard
+        from torch.distributed.tensor import distribute_tensor
+        full = distribute_tensor(full.to(w.device_mesh.device_type), w.device_mesh, w.placements)
+    w.copy_(full)
+    return rms
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,12 +470,22 @@ def parse_args(argv=None):
     ap.add_argument("--target", default=None, help="target model; default: the manifest's")
     ap.add_argument("--offline", action="store_true", help="read stored hidden states instead "
                     "of running the target concurrently")
+    ap.add_argument("--fc-init", default="normal", choices=["normal", "rms"],
+                    help="fc's initialisation: std 0.02 (normal), or scaled to the captured "
+                         "layers' RMS so fc(aux) starts at RMS ~1 (rms)")
     ap.add_argument("--init", default=None, help="start from this draft directory's weights")
+    ap.add_argument("--draft-config", default=None,
+                    help="JSON draft config whose shape fields (heads, head_dim, MLP size, RoPE, "
+                         "max positions) replace the automatic choice (see model.py)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run Python code shipped with the target (Kimi-K2's model and tokenizer)")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     ap.add_argument("--ttt-length", type=int, default=7)
     ap.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--max-steps", type=int, default=None, help="overrides --epochs")
+    ap.add_argument("--accept-loss", type=float, default=0.0, metavar="W",
+                    help="add W x -log sum_x min(p, q) (acceptance) to the soft cross-entropy")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, share of --lr")
     ap.add_argument("--warmup", type=float, default=0.015, help="warmup share of the steps")
@@ -681,6 +522,8 @@ def check_args(a):
                  "prefetch", "producer_batch_size", "producer_threads"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(a, name)}: expected >= 1")
+    if not a.accept_loss >= 0 or not math.isfinite(a.accept_loss):
+        raise UserError(f"--accept-loss {a.accept_loss}: expected >= 0")
     if not a.lr > 0 or not math.isfinite(a.lr):
         raise UserError(f"--lr {a.lr}: expected > 0")
     if a.max_steps is not None and a.max_steps < 1:
@@ -693,6 +536,9 @@ def check_args(a):
         raise UserError("--target-backend runs the online producer; --offline reads stored states")
     if a.resume and a.init:
         raise UserError("--resume continues a run; --init starts a new one: give one of them")
+    if a.init and a.draft_config:
+        raise UserError("--init takes the draft's shape from its config.json; --draft-config "
+                        "shapes a new draft: give one of them")
 
 
 def lr_lambda(warmup, total, min_ratio):
@@ -708,8 +554,9 @@ def lr_lambda(warmup, total, min_ratio):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    from common import load_target, parse_dtype, resolve_target
-    from model import Eagle3Draft, check_fits, config_from_target, load_draft_for
+    from common import load_target_heads, parse_dtype
+    from model import (Eagle3Draft, apply_draft_config, check_fits, config_from_target,
+                       load_draft_for)
     manifest, seqs, vocab = read_data(args.data)
     if args.target is None:
         args.target = manifest["target"]
@@ -727,10 +574,12 @@ def main(argv=None):
             raise UserError(f"--batch-size {args.batch_size} must be a multiple of the "
                             f"{world} processes")
         # ---- the target: only its embedding, lm_head and config stay in the trainer ----
-        target, tok = load_target(args.target, "float32", "cpu")
+        target, tok = load_target_heads(args.target, args.trust_remote_code)
         cfg = config_from_target(target.config, manifest["draft_vocab_size"],
                                  manifest["aux_layer_ids"])
         check_fits(cfg, target.config, where=f"{args.data}/manifest.json aux_layer_ids")
+        if args.draft_config:
+            cfg = apply_draft_config(cfg, args.draft_config)
         check_data(manifest, seqs, target, tok, args.target, args.data, cfg.max_position_embeddings)
         compute_dtype = parse_dtype(args.dtype)
         lm_w = target.get_output_embeddings().weight.detach().to(device, compute_dtype)
@@ -751,6 +600,7 @@ def main(argv=None):
         del target
         draft_ids = vocab["draft_ids"].to(device)
         t2d = draft.t2d.clone().to(device)
+        lm_w_draft = lm_w[draft_ids].contiguous()   # [Vd, Ht]: all the soft labels need
 
         # ---- data split and schedule ----
         train_ids, eval_ids = split_data(len(seqs), args.eval_fraction, args.seed)
@@ -768,7 +618,7 @@ def main(argv=None):
         # ---- model, FSDP2, optimizer ----
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        module = TTTLoss(draft.to(device), args.ttt_length)
+        module = TTTLoss(draft.to(device), args.ttt_length, args.accept_loss)
         mesh = init_device_mesh(device.split(":")[0], (world,))
         fully_shard(module, mesh=mesh)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -782,6 +632,13 @@ def main(argv=None):
             ck = list_checkpoints(args.out)
             if not ck:
                 raise UserError(f"--resume: no checkpoint in {args.out}/checkpoints")
+            from model import SHAPE_FIELDS, read_config
+            saved = read_config(ck[-1])
+            diff = [k for k in SHAPE_FIELDS if getattr(saved, k) != getattr(cfg, k)]
+            if diff:
+                raise UserError(f"--resume: {ck[-1]} holds a draft of another shape ({diff[0]} "
+                                f"{getattr(saved, diff[0])}, now {getattr(cfg, diff[0])}): resume "
+                                f"with the run's --draft-config")
             st = load_checkpoint(ck[-1], module, opt, sched, rank, world, vocab["draft_ids"])
             old = st["args"]
             for k in ("batch_size", "seed", "ttt_length", "eval_fraction"):
@@ -804,16 +661,26 @@ def main(argv=None):
         stop_at = min(total, args.stop_at) if args.stop_at else total
 
         # ---- data source: the producer's job list is exactly the trainer's consumption order ----
+        # (a fresh --fc-init rms run first takes the states of 8 training sequences to scale fc)
+        rms_ids = train_ids[:8] if args.fc_init == "rms" and start == 0 and not args.init else []
         eval_batches = eval_batches_for(eval_ids, rank, world, args.batch_size // world)
         if args.offline:
             source = Offline(args.data, manifest)
         else:
-            jobs = [(("eval", i), b) for i, (b, _) in enumerate(eval_batches)]
+            jobs = [(("rms", 0), rms_ids)] if rms_ids else []
+            jobs += [(("eval", i), b) for i, (b, _) in enumerate(eval_batches)]
             jobs += [(("train", s), rank_share(batches(s)[0], rank, world))
                      for s in range(start, stop_at)]
             online = source = Online(args, seqs, jobs, manifest["aux_layer_ids"])
-        # online, the producer sends the eval set first, once: keep it
-        eval_cache = {} if args.offline else {k: source.get(k) for k, _ in jobs[:len(eval_batches)]}
+        if rms_ids:
+            rms = init_fc_for_features(module, source.get_ids(rms_ids) if args.offline
+                                       else source.get(("rms", 0)), args.seed)
+            if rank == 0:
+                print(f"fc initialised for feature RMS {' / '.join(f'{r:.2f}' for r in rms.tolist())}"
+                      f" (layers {manifest['aux_layer_ids']})", file=sys.stderr)
+        # online, the producer sends the eval set next, once: keep it
+        eval_cache = {} if args.offline else {
+            ("eval", i): source.get(("eval", i)) for i in range(len(eval_batches))}
 
         def hidden_for(key, idx):
             if args.offline:
@@ -823,12 +690,23 @@ def main(argv=None):
         autocast = torch.autocast(device.split(":")[0], dtype=compute_dtype,
                                   enabled=compute_dtype != torch.float32)
 
+        in_vocab_seen = {}   # sequence -> in_vocab [T]: the one bit that needs the full lm_head
+
         def prepare(key, idx):
             ids, mask, aux, final = collate(seqs, idx, hidden_for(key, idx), device)
+            known = None
+            if all(k in in_vocab_seen for k in idx):
+                known = torch.zeros_like(mask)
+                for b, k in enumerate(idx):
+                    known[b, :len(in_vocab_seen[k])] = in_vocab_seen[k]
             with autocast:
                 # the target at p is needed only where x[p+1] is a loss token (valid_rows)
-                targ_p, targ_argmax, in_vocab = target_side(final, lm_w, draft_ids, t2d,
-                                                            need=shift_left(mask, 1, False))
+                targ_p, targ_argmax, in_vocab = target_side(final, lm_w_draft,
+                                                            need=shift_left(mask, 1, False),
+                                                            in_vocab=known, lm_w=lm_w, t2d=t2d)
+            if known is None:
+                for b, k in enumerate(idx):
+                    in_vocab_seen[k] = in_vocab[b, :len(seqs[k]["input_ids"])].clone()
             valid = valid_rows(mask, in_vocab, args.ttt_length)
             return ids, mask, aux, targ_p, targ_argmax, valid
 

@@ -160,6 +160,119 @@ def test_mask_truncates_to_max_length(smol_tok):
     assert ids2 == ids[:-3] and mask2 == mask[:-3]
 
 
+def offsets_mask(tok, messages):
+    """The masks as they were located before chat.py: through the fast tokenizer's character
+    offsets (token in the loss iff its first character lies in an assistant span)."""
+    import chat
+    full = chat.render(tok, messages)
+    spans = [chat.turn_span(tok, messages, i)[1] for i, m in enumerate(messages)
+             if m["role"] == "assistant"]
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [int(any(a <= s < b for a, b in spans))
+                                    for s, _ in enc["offset_mapping"]]
+
+
+def random_conversations(n, seed=0):
+    """Conversations whose texts start and end with spaces, newlines, digits, punctuation and
+    non-ASCII characters: the places where tokenizing a prefix alone differs from the whole."""
+    import random
+    rng = random.Random(seed)
+    bits = ["Blue", " is", "\n", "\n\n", "  ", "42", "3.14", "é", "日本", "!", "?!", " the", "x=1;",
+            "\t", "  \n", "(", ")", "'s", "don't", "😀", " "]
+    convs = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": "".join(rng.choices(bits, k=3))}] if rng.random() < .5 else []
+        for t in range(rng.randint(1, 3)):
+            msgs.append({"role": "user", "content": "Q" + "".join(rng.choices(bits, k=rng.randint(0, 6)))})
+            msgs.append({"role": "assistant", "content": "".join(rng.choices(bits, k=rng.randint(1, 8)))})
+            if rng.random() < 0.2:
+                msgs[-1]["truncated"] = True
+        convs.append(msgs)
+    return convs
+
+
+def test_masks_without_offsets_equal_offset_masks(smol_tok):
+    """chat.py locates tokens by tokenizing prefixes (any tokenizer); on a fast tokenizer the
+    result is exactly the offset mapping's, on ChatML and on Llama-3 (whose "\n\n" before an
+    answer is one token at the end of a prefix but two in the whole text)."""
+    import copy
+    llama = copy.deepcopy(smol_tok)
+    llama.add_special_tokens({"additional_special_tokens":
+                              ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    llama.bos_token = "<|begin_of_text|>"
+    llama.chat_template = LLAMA3_TEMPLATE
+    for tok in (smol_tok, llama):
+        for conv in [CONV] + random_conversations(60):
+            assert generate.encode_conversation(tok, conv) == offsets_mask(tok, conv), conv
+
+
+def test_slow_tokenizer_masks():
+    """A slow (Python) tokenizer has no offsets; masks still cover exactly the answers."""
+    import chat
+    from conftest import kimi_tokenizer
+    tok = kimi_tokenizer(chat_template=(
+        "{% for m in messages %}{{ '<|im_' + m['role'] + '|>' + m['role'] + '<|im_middle|>' + "
+        "m['content'] + '<|im_end|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"))
+    assert not tok.is_fast
+    assert "offset_mapping" not in tok("abc", return_offsets_mapping=True)   # silently none
+    ids, mask = generate.encode_conversation(tok, CONV)
+    assert masked_spans(tok, ids, mask) == ["Blue is a colour.<|im_end|>", "Seven, for example.<|im_end|>"]
+    ref = tok.apply_chat_template(CONV, tokenize=True)
+    assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    # a boundary inside a multi-character token, and one where the prefix alone merges "\n\n"
+    text = "ab the\n\nthere"
+    ids = chat.encode(tok, text)
+    assert tok.convert_ids_to_tokens(ids) == ["a", "b", " the", "\n", "\n", "the", "r", "e"]
+    starts = [0, 1, 2, 6, 7, 8, 11, 12]
+    for b in range(len(text) + 1):
+        assert chat.tokens_before(tok, text, ids, b) == sum(s < b for s in starts), b
+
+
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set c = m['content'] -%}{%- set r = '' -%}"
+    "{%- if '</think>' in c -%}{%- set r = c.split('</think>')[0].replace('<think>', '').strip() -%}"
+    "{%- set c = c.split('</think>')[-1].lstrip() -%}{%- endif -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if loop.index0 > ns.last_user -%}{{- '<think>\n' + r + '\n</think>\n\n' -}}{%- endif -%}"
+    "{{- c + '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def test_thinking_template_gives_one_sample_per_turn(smol_tok):
+    """A template that drops earlier turns' reasoning (Qwen3 style) does not render incrementally:
+    each assistant turn becomes its own sample, rendered exactly as the model sees it when it
+    writes that turn, with only that turn in the loss."""
+    import copy
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = QWEN3_LIKE
+    conv = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "<think>\nThe sky.\n</think>\n\nBlue."},
+            {"role": "user", "content": "And a number?"},
+            {"role": "assistant", "content": "<think>\nSmall prime.\n</think>\n\nSeven."}]
+    samples = generate.encode_samples(tok, conv)
+    assert [t for _, _, t in samples] == [1, 3]
+    for (ids, mask, turn), want in zip(samples, ["<think>\nThe sky.\n</think>\n\nBlue.<|im_end|>",
+                                                 "<think>\nSmall prime.\n</think>\n\nSeven.<|im_end|>"]):
+        ref = tok.apply_chat_template(conv[:turn + 1], tokenize=True)
+        assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+        assert masked_spans(tok, ids, mask) == [want]
+    # turn 1 in the second sample's context: its reasoning dropped, as the template shows it
+    context = tok.decode(samples[1][0][:samples[1][1].index(1)])
+    assert "Blue." in context and "The sky" not in context
+    with pytest.raises(UserError, match="incrementally"):
+        generate.encode_conversation(tok, conv)
+    # one turn only: nothing is dropped, so it is one ordinary sample
+    assert [t for _, _, t in generate.encode_samples(tok, conv[:2])] == [None]
+
+
 # ----------------------------------------------------------------------------------------------
 # Draft vocabulary
 
@@ -308,6 +421,42 @@ def test_hf_regeneration_batched_equals_one_by_one_and_sees_earlier_answers(tiny
     assert tok.decode(ids).count(batched[0][1]["content"]) == 1
 
 
+def test_followups_make_multi_turn_conversations(tiny_dir, monkeypatch):
+    """--followups: the target writes the user's next message after seeing the conversation so far
+    (rendered, then the template's user header), then answers it; an unusable follow-up ends the
+    conversation there. hf_generate is replaced by a scripted one to see exactly what it is fed."""
+    from common import load_target
+    target, tok = load_target(tiny_dir)
+    fed = []
+
+    def fake(model, tok_, prompts, max_new_tokens, temperature, top_p, stop_ids):
+        out = []
+        for p in prompts:
+            text = tok.decode(p)
+            fed.append((text, max_new_tokens, temperature))
+            if text.endswith("<|im_start|>user\n"):     # a follow-up: usable unless asked "bad"
+                reply = "ok" if "bad" in text else "Tell me more about that topic please"
+            else:
+                reply = f"answer {len(fed)}"
+            out.append((tok(reply, add_special_tokens=False)["input_ids"], True))
+        return out
+    monkeypatch.setattr(generate, "hf_generate", fake)
+    sks = [generate.skeleton([{"role": "user", "content": "Why is the sky blue?"}], followups=2),
+           generate.skeleton([{"role": "user", "content": "A bad question here"}], followups=2)]
+    assert sks[0][2:] == [{"role": "user", "content": None}, None] * 2
+    convs = generate.fill_hf(target, tok, sks, 7, 0.0, 1.0, 0, followup=(48, 1.0, 0.95))
+    good, bad = convs
+    assert [m["role"] for m in good] == ["user", "assistant"] * 3
+    assert good[2]["content"] == good[4]["content"] == "Tell me more about that topic please"
+    assert [m["role"] for m in bad] == ["user", "assistant"]     # "ok" is too short: ends there
+    # a follow-up is sampled with the synthesis settings on top of the whole conversation so far
+    follow = [f for f in fed if f[0].endswith("<|im_start|>user\n")]
+    assert follow[0][1:] == (48, 1.0) and good[1]["content"] in follow[0][0]
+    # the answer to a follow-up sees it, with the generation prompt, greedy at the answer cap
+    last = [f for f in fed if good[2]["content"] in f[0] and f[0].endswith("assistant\n")]
+    assert last and last[0][1:] == (7, 0.0)
+
+
 class FakeOpenAI(http.server.BaseHTTPRequestHandler):
     """A stand-in for SGLang's /v1/chat/completions that records what it was sent."""
     seen = []
@@ -419,6 +568,11 @@ def test_cli_user_mistakes(tmp_path, tiny_dir, smol_tok):
     assert not os.path.exists(tmp_path / "o3" / "sequences.jsonl")  # nothing half-written
     with pytest.raises(UserError, match="--aux-layers"):
         run_cli(tiny_dir, tmp_path / "o4", prompts, "--aux-layers", "1", "2", "7")
+    with pytest.raises(UserError, match="--followups needs --backend hf"):
+        run_cli(tiny_dir, tmp_path / "o4b", prompts, "--followups", "1", "--backend", "sglang",
+                "--server-url", "http://127.0.0.1:9")
+    with pytest.raises(UserError, match="--followups -1"):
+        run_cli(tiny_dir, tmp_path / "o4c", prompts, "--followups", "-1")
     with pytest.raises(UserError, match="--aux-layers .*sorted, distinct"):
         run_cli(tiny_dir, tmp_path / "o5", prompts, "--aux-layers", "3", "1", "5")
     notempl = tmp_path / "no-template"

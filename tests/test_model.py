@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from conftest import make_tiny_target
 from common import UserError
-from model import (Eagle3Draft, check_fits, config_from_target, default_aux_layers, read_config,
+from model import (Eagle3Draft, check_fits, config_from_target, default_aux_layers, fc_weight_for_features, read_config,
                    load_draft_for)
 
 # The names and shapes SGLang's LlamaForCausalLMEagle3.load_weights expects (reference §1).
@@ -58,6 +58,47 @@ def test_default_layers_and_config_from_target():
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling is None and cfg.max_position_embeddings == 777
     assert cfg.intermediate_size == t.config.intermediate_size
     assert cfg.rms_norm_eps == t.config.rms_norm_eps
+
+
+def test_default_aux_layers_are_distinct_for_small_targets():
+    # [1, L//2-1, L-4] is kept wherever it is already three distinct layers (L >= 7: the
+    # 30-layer default target's shipped draft reads [1, 14, 26]); below that it would repeat a
+    # layer (L = 6: [1, 2, 2]), so the lowest, middle and highest usable layers are taken
+    for L in range(4, 130):
+        ids = default_aux_layers(L)
+        assert ids == sorted(set(ids)) and len(ids) == 3 and 0 <= ids[0] and ids[2] <= L - 2, L
+        if L >= 7:
+            assert ids == [1, L // 2 - 1, L - 4]
+    assert [default_aux_layers(L) for L in (4, 5, 6)] == [[0, 1, 2], [0, 1, 3], [0, 2, 4]]
+    for L in (1, 2, 3):   # only L-1 usable layers (the last is seen final-normed): too few
+        with pytest.raises(UserError, match="at least 4 layers"):
+            default_aux_layers(L)
+        with pytest.raises(UserError, match="at least 4 layers"):
+            config_from_target(make_tiny_target(layers=L).config, 40)
+
+
+def test_model_cli_dry_run_and_draft_config(tmp_path, capsys):
+    import model
+    t = make_tiny_target(layers=6)
+    t.save_pretrained(tmp_path / "t")
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps({"intermediate_size": 48, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 1e6}))
+    model.main(["--target", str(tmp_path / "t"), "--draft-vocab-size", "40", "--dry-run",
+                "--draft-config", str(p)])
+    out = capsys.readouterr().out
+    cfg = json.loads(out[:out.rindex("}") + 1])
+    assert (cfg["intermediate_size"], cfg["num_attention_heads"], cfg["head_dim"]) == (48, 2, 16)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert not os.path.exists(tmp_path / "out")
+    model.main(["--target", str(tmp_path / "t"), "--draft-vocab-size", "40", "--out",
+                str(tmp_path / "out"), "--draft-config", str(p)])
+    d = read_config(str(tmp_path / "out"))
+    assert (d.intermediate_size, d.num_key_value_heads, d.rope_theta) == (48, 1, 1e6)
+    load_draft_for(str(tmp_path / "out"), t)   # loads strictly against the target
+    p.write_text(json.dumps({"vocab_size": 5}))
+    with pytest.raises(UserError, match="vocab_size is 5"):
+        model.main(["--target", str(tmp_path / "t"), "--dry-run", "--draft-config", str(p)])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -193,3 +234,24 @@ def test_loading_refuses_renamed_or_missing_tensors(tmp_path):
         read_config(str(tmp_path))
     with pytest.raises(UserError, match="no such directory"):
         read_config(str(tmp_path / "nope"))
+
+
+def test_fc_init_for_features_balances_layers():
+    """fc_weight_for_features (train.py --fc-init rms): g = fc(aux) starts at RMS ~1 with each
+    captured layer contributing a third of the variance, however different the layers' scales
+    (the default std-0.02 init lets the deepest, largest layer dominate g, and makes g ~50x the
+    attention branch on SmolLM2)."""
+    torch.manual_seed(0)
+    H, Ht = 64, 256
+    rms = torch.tensor([2.7, 6.2, 22.9])
+    aux = torch.randn(4096, 3, Ht) * rms[None, :, None]           # blocks of those RMS
+    W = fc_weight_for_features(H, Ht, rms, torch.Generator().manual_seed(0))
+    assert W.shape == (H, 3 * Ht)
+    g = aux.reshape(4096, -1) @ W.T
+    assert abs(g.pow(2).mean().sqrt().item() - 1.0) < 0.1
+    for i in range(3):
+        assert abs((aux[:, i] @ W[:, i * Ht:(i + 1) * Ht].T).pow(2).mean().item() - 1 / 3) < 0.05
+    # the plain init, for contrast: the deepest layer carries nearly all of g
+    Wf = torch.randn(H, 3 * Ht) * 0.02
+    share = [(aux[:, i] @ Wf[:, i * Ht:(i + 1) * Ht].T).pow(2).mean().item() for i in range(3)]
+    assert share[2] / sum(share) > 0.9

@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT, make_tiny_target
 
 import train
+import ttt
 from model import Eagle3Draft, config_from_target
 
 V, VD, LAYERS = 64, 48, 8
@@ -160,7 +161,7 @@ def test_ttt_matches_step_by_step_decoding():
     ids = torch.randint(0, V, (B, T), generator=g)
     aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
     with torch.no_grad():
-        h2s = list(train.ttt_unroll(draft, ids, aux, J))
+        h2s = list(ttt.ttt_unroll(draft, ids, aux, J))
         logits = [draft.lm_head(draft.norm(h)) for h in h2s]
         worst = 0.0
         for b in range(B):
@@ -181,14 +182,42 @@ def test_ttt_matches_step_by_step_decoding():
     assert worst < 1e-4, worst
 
 
+def test_accept_loss_adds_minus_log_acceptance():
+    """--accept-loss W: each step's objective is the soft CE plus W * -log sum_x min(p, q), over the
+    same valid rows with the same 0.8**j weights; W = 0 is the plain CE."""
+    draft = tiny_draft()
+    B, T, J = 2, 9, 3
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
+    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
+    valid = torch.rand(J, B, T, generator=g) < 0.7
+    for j in range(J):
+        valid[j, :, T - j - 2:] = False              # as valid_rows: no target past the end
+    denom = valid.sum((1, 2)).float()
+    args = (ids, aux, targ_p, targ_p.argmax(-1), valid, denom, 1.0)
+    with torch.no_grad():
+        ce, st, _ = ttt.TTTLoss(draft, J)(*args)
+        mixed, st2, _ = ttt.TTTLoss(draft, J, accept_weight=0.5)(*args)
+        extra = 0.0
+        for j, h2 in enumerate(ttt.ttt_unroll(draft, ids, aux, J)):
+            rows = valid[j].reshape(-1).nonzero().squeeze(1)
+            q = torch.softmax(draft.lm_head(draft.norm(h2.reshape(B * T, -1)[rows])), -1)
+            a = torch.minimum(targ_p[rows + j + 1], q).sum(-1)
+            extra += 0.8 ** j * -torch.log(a).sum() / denom[j]
+    assert torch.equal(st, st2)                      # statistics are the CE's, unchanged
+    assert extra > 0.1
+    assert abs((mixed - ce - 0.5 * extra).item()) < 1e-5
+
+
 def test_ttt_attention_is_not_trivially_causal():
     """Guard for the test above: the own-row keys of later steps must change the result (if the
     diagonal terms were dropped, step j >= 1 would differ from the reference)."""
     torch.manual_seed(0)
     q, k0, v0 = (torch.randn(1, 2, 5, 8) for _ in range(3))
     k1, v1 = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-    with_diag = train.ttt_attention(q, k0, v0, [k1], [v1])
-    without = train.ttt_attention(q, k0, v0, [], [])
+    with_diag = ttt.ttt_attention(q, k0, v0, [k1], [v1])
+    without = ttt.ttt_attention(q, k0, v0, [], [])
     assert (with_diag - without).abs().max() > 1e-2
     # and the explicit softmax equals SDPA over the same key set for one row
     t = 3
@@ -205,7 +234,7 @@ def test_target_side_and_masks():
     draft_ids = torch.tensor([1, 3, 4, 8])
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[draft_ids] = True
-    p, am, inv = train.target_side(final, W, draft_ids, t2d, chunk=4)
+    p, am, inv = ttt.target_side(final, W[draft_ids], lm_w=W, t2d=t2d, chunk=4)
     full = final @ W.T
     assert torch.allclose(p.sum(-1), torch.ones(6))
     assert torch.allclose(p, torch.softmax(full[0][:, draft_ids], -1), atol=1e-6)
@@ -214,7 +243,7 @@ def test_target_side_and_masks():
     # valid[j][t] = loss mask at t+j+2 and in-vocab argmax at t+j+1
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]], dtype=torch.bool)
     inv = torch.tensor([[1, 1, 1, 0, 1, 1]], dtype=torch.bool)
-    v = train.valid_rows(mask, inv, 3)
+    v = ttt.valid_rows(mask, inv, 3)
     assert v[0].int().tolist() == [[1, 1, 0, 1, 0, 0]]   # t=2: argmax at 3 out of vocab
     assert v[1].int().tolist() == [[1, 0, 1, 0, 0, 0]]
     assert v[2].int().tolist() == [[0, 1, 0, 0, 0, 0]]
@@ -222,7 +251,7 @@ def test_target_side_and_masks():
 
 def test_metrics_accept_length():
     stats = torch.tensor([[1.0, 2.0, 3.0], [8.0, 4.0, 2.0], [10.0, 8.0, 4.0]])
-    m = train.metrics(stats, torch.tensor([22.0, 10.0]))
+    m = ttt.metrics(stats, torch.tensor([22.0, 10.0]))
     assert m["acc_j"] == [0.8, 0.5, 0.5]
     assert abs(m["accept_len_3"] - (1 + 0.8 + 0.4 + 0.2)) < 1e-9
     assert abs(m["replay_accept_3"] - 2.2) < 1e-9
@@ -237,7 +266,7 @@ def test_replay_decoding_follows_rounds():
     correct[:, 2] = True                       # row 2: 3 accepted -> 4 tokens, next row 6
     correct[0, 6] = True                       # row 6: 1 accepted (step 1 wrong) -> next row 8
     correct[2, 8] = True                       # row 8: step 0 wrong -> 0 accepted, then row 9: end
-    tokens, rounds = train.replay_decoding(correct, mask).tolist()
+    tokens, rounds = ttt.replay_decoding(correct, mask).tolist()
     assert (tokens, rounds) == (4 + 2 + 1, 3)
 
 
@@ -274,14 +303,18 @@ def test_target_side_only_needed_rows():
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[draft_ids] = True
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]], dtype=torch.bool)
-    need = train.shift_left(mask, 1, False)
-    p, am, inv = train.target_side(final, W, draft_ids, t2d, chunk=3)
-    p2, am2, inv2 = train.target_side(final, W, draft_ids, t2d, need=need, chunk=3)
+    need = ttt.shift_left(mask, 1, False)
+    p, am, inv = ttt.target_side(final, W[draft_ids], lm_w=W, t2d=t2d, chunk=3)
+    p2, am2, inv2 = ttt.target_side(final, W[draft_ids], need=need, lm_w=W, t2d=t2d, chunk=3)
     rows = need.reshape(-1)
     assert torch.allclose(p2[rows], p[rows], atol=1e-6) and torch.equal(am2[rows], am[rows])
     assert not p2[~rows].any()
     # every row the loss reads is the same
-    assert torch.equal(train.valid_rows(mask, inv2, 3), train.valid_rows(mask, inv, 3))
+    assert torch.equal(ttt.valid_rows(mask, inv2, 3), ttt.valid_rows(mask, inv, 3))
+    # a later epoch passes the remembered in_vocab bit and skips the full lm_head: same outputs
+    # (the full product is not even available to it)
+    p3, am3, inv3 = ttt.target_side(final, W[draft_ids], need=need, in_vocab=inv, chunk=3)
+    assert torch.equal(p3, p2) and torch.equal(am3, am2) and torch.equal(inv3, inv2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,9 +391,10 @@ def free_port():
 
 def test_two_processes_match_one(tmp_path, data_dir):
     common = ["--data", data_dir, "--offline", "--batch-size", "4", "--max-steps", "4",
-              "--lr", "1e-3", "--ttt-length", "3", "--eval-every", "2", "--log-every", "1"] + FP32
+              "--lr", "1e-3", "--ttt-length", "3", "--eval-every", "2", "--log-every", "1",
+              "--fc-init", "rms"] + FP32     # rms: fc is redrawn after sharding, same on 1 and 2
     one = str(tmp_path / "one")
-    run_train(common + ["--out", one])
+    assert "fc initialised for feature RMS" in run_train(common + ["--out", one]).stderr
     two = str(tmp_path / "two")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), "train.py", "--out", two] + common
@@ -376,7 +410,8 @@ def test_two_processes_match_one(tmp_path, data_dir):
 
 def test_online_matches_offline(tmp_path, data_dir):
     common = ["--data", data_dir, "--batch-size", "2", "--max-steps", "5", "--lr", "1e-3",
-              "--ttt-length", "3", "--eval-every", "5", "--log-every", "1"] + FP32
+              "--ttt-length", "3", "--eval-every", "5", "--log-every", "1",
+              "--fc-init", "rms"] + FP32   # rms: the producer's first job, the shards offline
     off, on = str(tmp_path / "off"), str(tmp_path / "on")
     run_train(common + ["--out", off, "--offline"])
     run_train(common + ["--out", on, "--prefetch", "2"])
@@ -531,3 +566,23 @@ def test_replayed_accept_length_predicts_speculate(tmp_path, target_dir):
     assert measured > 1.4, measured                         # the draft learned something
     assert abs(ev["replay_accept_3"] - measured) < 0.05 * measured, \
         (ev["replay_accept_3"], measured, ev["accept_len_3"])
+
+
+def test_draft_config_shapes_a_new_draft(tmp_path, data_dir):
+    """--draft-config (SpecForge's --draft-model-config) replaces the automatic shape."""
+    p = tmp_path / "draft.json"
+    p.write_text(json.dumps({"intermediate_size": 40, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "head_dim": 12, "rope_theta": 1e6}))
+    out = str(tmp_path / "run")
+    run_train(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2", "--max-steps",
+               "2", "--ttt-length", "2", "--draft-config", str(p)] + FP32)
+    cfg = json.load(open(os.path.join(train.list_checkpoints(out)[-1], "config.json")))
+    assert (cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["rope_theta"]) == (40, 2, 1, 12, 1e6)
+    p.write_text(json.dumps({"draft_vocab_size": 7}))
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "o"), "--offline",
+                  "--draft-config", str(p)], "draft_vocab_size is 7")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "o"), "--offline", "--init", out,
+                  "--draft-config", str(p)], "--draft-config")
+    expect_error(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2", "--max-steps",
+                  "3", "--ttt-length", "2", "--resume"], "another shape")
