@@ -271,6 +271,7 @@ def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_toke
     from sglang.srt.distributed import bootstrap
     from sglang.srt.entrypoints.engine import _set_envs_and_config
     from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
     from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -294,6 +295,7 @@ def runner(model_path, dtype="bfloat16", mem_fraction_static=0.8, max_total_toke
     initialize_moe_config()             # process-global configs one_batch.py sets before loading
     initialize_fp8_gemm_config()
     initialize_bf16_gemm_config()
+    initialize_fp4_gemm_config()
     model_config = ModelConfig.from_server_args(server_args)
     bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device,
                                     dist_port=port_args.nccl_port)
