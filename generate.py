@@ -12,16 +12,17 @@ talking. Steps, each resumable (a killed run continues where it stopped):
                   user would ask). MT-Bench and HumanEval prompts are always dropped.
   2. regenerate   every assistant turn is replaced by the target's own answer, in order, each
                   turn seeing the target's earlier answers (transformers, batched; or a running
-                  SGLang server's OpenAI-compatible chat endpoint).
+                  SGLang server's OpenAI-compatible chat endpoint). --followups K: the target
+                  also writes the user's next message K times (multi-turn data).
   3. tokenize     render with the chat template; loss mask = assistant tokens including the
                   end-of-turn token, excluding the assistant header; truncate to --max-length.
                   Works with slow (Python) tokenizers too. Thinking templates that drop earlier
                   reasoning give one sequence per assistant turn (chat.py explains).
   4. vocab        the --draft-vocab-size most frequent loss-masked target ids -> d2t / t2d.
   5. hidden       (--hidden-states) the outputs of the three captured decoder layers and the
-                  final (normed) hidden state, in safetensors shards.
+                  final (normed) hidden state, in safetensors shards (hidden.py).
 
-Output directory (what train.py reads, through `load_dataset_dir` and `read_hidden_shard`):
+Output directory (what train.py reads, through `load_dataset_dir` and hidden.py):
 
     manifest.json          target, tokenizer hash, counts, aux layer ids, shard list
     conversations.jsonl    {"messages": [...]} per line, the regenerated conversations
@@ -46,15 +47,16 @@ import time
 
 import torch
 
+from chat import encode_samples
 from common import (UserError, atomic_write, atomic_write_text, parse_conversation,
                     read_conversations, read_json, run_main)
+from hidden import target_hidden_states, write_hidden_shards
 
 MANIFEST = "manifest.json"
 CONVERSATIONS = "conversations.jsonl"
 SEQUENCES = "sequences.jsonl"
 VOCAB = "vocab.safetensors"
 SYNTH_PROMPTS = "synth_prompts.jsonl"
-HIDDEN_DIR = "hidden"
 FORMAT_VERSION = 1
 
 
@@ -366,8 +368,7 @@ def regenerate(skeletons, path, fill, chunk):
 
 # ----------------------------------------------------------------------------------------------
 # 3. Tokenize and mask: chat.py (rendering, assistant spans without offsets, thinking templates)
-
-from chat import encode_conversation, encode_samples, render  # noqa: E402,F401  (used by tests)
+# 5. Hidden states: hidden.py (computing them, the shard files)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,132 +407,6 @@ def coverage_at(counts, sizes):
     c = counts.sort(descending=True).values.cumsum(0)
     total = int(c[-1]) if c.numel() else 0
     return {k: (float(c[min(k, c.numel()) - 1]) / total if total else 0.0) for k in sizes}
-
-
-# ----------------------------------------------------------------------------------------------
-# 5. Target hidden states
-
-@torch.inference_mode()
-def target_hidden_states(target, sequences, layer_ids, batch_size=8):
-    """For each token-id list: (aux [T, 3*Ht], final [T, Ht]) on CPU in the target's dtype.
-
-    aux concatenates the outputs of decoder layers `layer_ids` (hidden_states[i + 1]); final is the
-    last entry of hidden_states, which transformers has already passed through the final norm,
-    so the target's logits are target.lm_head(final). Sequences are batched longest first with
-    right padding: pads come after every real token, so causal attention never lets a real token
-    see one, and each result is sliced back to its true length. The decoder (target.base_model)
-    is called directly, which skips the [B, T, V] logits nobody asked for."""
-    L = target.config.get_text_config().num_hidden_layers
-    if len(layer_ids) != 3 or not all(0 <= i < L - 1 for i in layer_ids):
-        raise UserError(f"aux layer ids {list(layer_ids)} must be three ids in [0, {L - 2}] "
-                        f"for a {L}-layer target (layer L-1's output is only seen final-normed)")
-    dev = next(target.parameters()).device
-    decoder = target.base_model
-    order = sorted(range(len(sequences)), key=lambda k: -len(sequences[k]))
-    out = [None] * len(sequences)
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
-        lens = [len(sequences[k]) for k in idx]
-        if min(lens) == 0:
-            raise UserError("an empty token sequence has no hidden states")
-        T = max(lens)
-        ids = torch.zeros((len(idx), T), dtype=torch.long)
-        mask = torch.zeros((len(idx), T), dtype=torch.long)
-        for r, k in enumerate(idx):
-            ids[r, :lens[r]] = torch.as_tensor(sequences[k], dtype=torch.long)
-            mask[r, :lens[r]] = 1
-        res = decoder(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                      output_hidden_states=True, use_cache=False)
-        hs = res.hidden_states
-        aux = torch.cat([hs[i + 1] for i in layer_ids], dim=-1).cpu()
-        final = hs[-1].cpu()
-        for r, k in enumerate(idx):
-            out[k] = (aux[r, :lens[r]].clone(), final[r, :lens[r]].clone())
-    return out
-
-
-def shard_meta(tok_hash, layer_ids, dtype, seqs, start, end, source=""):
-    """What a shard was made from; a re-run recomputes any shard whose metadata differs.
-    `source` names the producer (target, its dtype, backend): states from a bf16 target are not
-    those of an fp32 one."""
-    h = hashlib.sha256(json.dumps([s["input_ids"] for s in seqs[start:end]]).encode()).hexdigest()
-    return {"tokenizer_hash": tok_hash, "aux_layer_ids": json.dumps(list(layer_ids)),
-            "dtype": dtype, "start": str(start), "end": str(end), "sequences_sha256": h,
-            "source": source}
-
-
-def write_hidden_shards(compute, out_dir, seqs, layer_ids, tok_hash, dtype_name, shard_size,
-                        source=""):
-    """Write hidden/shard-NNNNN.safetensors for every `shard_size` sequences; finished shards
-    (matching metadata) are skipped. compute(list of id lists) -> [(aux, final)]."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-    from common import parse_dtype
-    dtype = parse_dtype(dtype_name)
-    hdir = os.path.join(out_dir, HIDDEN_DIR)
-    os.makedirs(hdir, exist_ok=True)
-    shards, todo = [], 0
-    plan = []
-    for i, start in enumerate(range(0, len(seqs), shard_size)):
-        end = min(start + shard_size, len(seqs))
-        name = f"{HIDDEN_DIR}/shard-{i:05d}.safetensors"
-        meta = shard_meta(tok_hash, layer_ids, dtype_name, seqs, start, end, source)
-        shards.append({"file": name, "start": start, "end": end})
-        path = os.path.join(out_dir, name)
-        ok = False
-        if os.path.exists(path):
-            try:
-                with safe_open(path, "pt") as f:
-                    ok = f.metadata() == meta
-            except Exception:
-                ok = False  # unreadable: recompute it
-        if not ok:
-            plan.append((path, meta, start, end))
-            todo += sum(len(s["input_ids"]) for s in seqs[start:end])
-    # shards left over from an earlier run with more sequences are not part of this data set
-    keep = {os.path.basename(sh["file"]) for sh in shards}
-    for name in os.listdir(hdir):
-        if name.startswith("shard-") and name.endswith(".safetensors") and name not in keep:
-            os.remove(os.path.join(hdir, name))
-    if not plan:
-        return shards, None
-    bar = tqdm(total=todo, desc="hidden states", unit="tok")
-    t0 = time.time()
-    for path, meta, start, end in plan:
-        res = compute([s["input_ids"] for s in seqs[start:end]])
-        tensors = {}
-        for k, (aux, final) in zip(range(start, end), res):
-            tensors[f"aux.{k}"] = aux.to(dtype).contiguous()
-            tensors[f"final.{k}"] = final.to(dtype).contiguous()
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
-        bar.update(sum(len(s["input_ids"]) for s in seqs[start:end]))
-    bar.close()
-    return shards, todo / max(time.time() - t0, 1e-9)
-
-
-def read_hidden_shard(path, k):
-    """(aux [T, 3*Ht], final [T, Ht]) of sequence k from the shard file that holds it."""
-    from safetensors import safe_open
-    try:
-        with safe_open(path, "pt") as f:
-            return f.get_tensor(f"aux.{k}"), f.get_tensor(f"final.{k}")
-    except FileNotFoundError:
-        raise UserError(f"{path}: hidden-state shard missing; re-run generate.py --hidden-states")
-    except Exception as e:
-        raise UserError(f"{path}: cannot read sequence {k} ({str(e).splitlines()[0]}); "
-                        f"re-run generate.py --hidden-states to rewrite it")
-
-
-def hidden_states_for(data_dir, manifest, k):
-    """(aux, final) of sequence k of a dataset directory, finding its shard in the manifest."""
-    hidden = manifest.get("hidden")
-    if not hidden:
-        raise UserError(f"{data_dir}: has no hidden states; re-run generate.py with --hidden-states")
-    for sh in hidden["shards"]:
-        if sh["start"] <= k < sh["end"]:
-            return read_hidden_shard(os.path.join(data_dir, sh["file"]), k)
-    raise UserError(f"{data_dir}: no shard holds sequence {k}")
 
 
 # ----------------------------------------------------------------------------------------------

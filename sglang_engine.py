@@ -332,7 +332,7 @@ class _NoPrefixCache:
 
 
 def hidden_states(r, sequences, layer_ids, batch_size=8):
-    """The SGLang backend of generate.target_hidden_states: same inputs, same outputs, a list of
+    """The SGLang backend of hidden.target_hidden_states: same inputs, same outputs, a list of
     (aux [T, 3*Ht], final [T, Ht]) per sequence. `r` is from runner().
 
     set_eagle3_layers_to_capture(ids) makes the target record the INPUT of layers i+1 (it adds 1),

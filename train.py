@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from common import UserError, run_main
+from hidden import Offline, Online
 from ttt import TTTLoss, metrics, replay_decoding, shift_left, target_side, valid_rows
 
 
@@ -143,116 +144,8 @@ def rank_share(idx, rank, world):
     return idx[rank * b:(rank + 1) * b]
 
 
-def check_offline(data_path, manifest):
-    hidden = manifest.get("hidden")
-    if not hidden or not hidden.get("shards"):
-        raise UserError(f"--data {data_path} has no stored hidden states (manifest hidden is "
-                        f"null): drop --offline to compute them online, or run generate.py "
-                        f"--hidden-states")
-
-
 # ----------------------------------------------------------------------------------------------
-# Online: a target producer process feeding a bounded queue
-
-def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, layer_ids,
-                  batch_size, threads, hidden_dtype, trust_remote_code=False,
-                  backend="transformers"):
-    """Runs in its own process: for each job (key, sequence ids) compute the target's hidden
-    states and put (key, [(aux, final), ...]) in the queue. put() blocks when the queue is full,
-    so the producer runs at most `prefetch` batches ahead of the trainer. The target runs in
-    transformers or in SGLang's ModelRunner (sglang_engine.py): same jobs, same order."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and ends us
-    try:
-        torch.set_num_threads(threads)
-        from common import load_target, parse_dtype, resolve_target
-        if backend == "sglang":
-            import sglang_engine  # every SGLang call lives there
-            longest = max((len(seqs[k]) for _, idx in jobs for k in idx), default=1)
-            runner = sglang_engine.runner(resolve_target(target_name), target_dtype,
-                                          max_total_tokens=batch_size * longest + 256,
-                                          gpu_id=torch.device(device).index or 0,
-                                          trust_remote_code=trust_remote_code)
-
-            def target_hidden_states(_, seqs, layer_ids, batch_size):
-                return sglang_engine.hidden_states(runner, seqs, layer_ids, batch_size)
-            target = None
-        else:
-            from generate import target_hidden_states
-            target, _ = load_target(target_name, target_dtype, device, trust_remote_code)
-        hd = parse_dtype(hidden_dtype)
-        for key, idx in jobs:
-            with torch.inference_mode():
-                hs = target_hidden_states(target, [seqs[k] for k in idx], layer_ids, batch_size)
-            q.put((key, [(a.to("cpu", hd).clone(), f.to("cpu", hd).clone()) for a, f in hs]))
-        q.put(("done", None))
-        # Tensors travel as shared-memory handles owned by this process: it must outlive the
-        # trainer's last get(), so it waits to be released instead of exiting.
-        release.wait()
-    except UserError as e:
-        q.put(("error", str(e)))
-    except Exception as e:
-        import traceback
-        q.put(("error", f"target producer failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
-class Online:
-    """Trainer side of the producer: get() returns the hidden states of the next job, timing the
-    wait so the log can say whether the producer keeps up."""
-
-    def __init__(self, args, seqs, jobs, layer_ids):
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.q = ctx.Queue(maxsize=args.prefetch)
-        self.release = ctx.Event()
-        ids = [s["input_ids"] for s in seqs]
-        self.proc = ctx.Process(target=producer_main, daemon=True, args=(
-            self.q, self.release, args.target, args.target_dtype, args.device, ids, jobs, layer_ids,
-            args.producer_batch_size, args.producer_threads, args.hidden_dtype,
-            args.trust_remote_code, args.target_backend))
-        self.proc.start()
-        self.wait = 0.0
-
-    def get(self, key):
-        import queue
-        t0 = time.perf_counter()
-        while True:
-            try:
-                got, item = self.q.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise UserError("the target producer process died (out of memory?)")
-        self.wait += time.perf_counter() - t0
-        if got == "error":
-            raise UserError(item)
-        assert got == key, (got, key)  # the producer follows the same job list in order
-        return item
-
-    def close(self):
-        self.release.set()
-        self.proc.join(timeout=5)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=10)
-
-
-class Offline:
-    """Hidden states read from generate.py's shards (aux.{k}, final.{k} of sequence k)."""
-
-    def __init__(self, data_path, manifest):
-        check_offline(data_path, manifest)
-        self.path, self.manifest, self.wait = data_path, manifest, 0.0
-
-    def get_ids(self, idx):
-        from generate import hidden_states_for
-        t0 = time.perf_counter()
-        out = [hidden_states_for(self.path, self.manifest, k) for k in idx]
-        self.wait += time.perf_counter() - t0
-        return out
-
-    def close(self):
-        pass
-
+# Batches
 
 def collate(seqs, idx, hidden, device):
     """Right-padded batch. Padding has loss mask 0, and causal attention keeps real rows from

@@ -13,7 +13,9 @@ import torch
 
 from conftest import ROOT, make_tiny_target
 
+import chat
 import generate
+import hidden
 import sglang_engine
 from common import UserError, resolve_target
 
@@ -78,7 +80,7 @@ def test_hidden_states_equal_unbatched_forward():
     layers = [1, 3, 5]
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (7, 19, 1, 12, 19, 3)]
-    got = generate.target_hidden_states(target, seqs, layers, batch_size=4)
+    got = hidden.target_hidden_states(target, seqs, layers, batch_size=4)
     assert len(got) == len(seqs)
     for s, (aux, final) in zip(seqs, got):
         with torch.no_grad():
@@ -95,17 +97,17 @@ def test_hidden_states_equal_unbatched_forward():
 
 def test_hidden_states_keep_target_dtype_and_reject_bad_layers():
     target = make_tiny_target(vocab_size=64, layers=8).to(torch.bfloat16)
-    (aux, final), = generate.target_hidden_states(target, [[1, 2, 3]], [1, 3, 5])
+    (aux, final), = hidden.target_hidden_states(target, [[1, 2, 3]], [1, 3, 5])
     assert aux.dtype == final.dtype == torch.bfloat16
     with pytest.raises(UserError, match="three ids"):
-        generate.target_hidden_states(target, [[1, 2, 3]], [1, 3, 7])  # L-1: only seen final-normed
+        hidden.target_hidden_states(target, [[1, 2, 3]], [1, 3, 7])  # L-1: only seen final-normed
 
 
 # ----------------------------------------------------------------------------------------------
 # Loss masks: assistant text plus its end-of-turn token, never the header
 
 def test_chatml_mask(smol_tok):
-    ids, mask = generate.encode_conversation(smol_tok, CONV)
+    ids, mask = chat.encode_conversation(smol_tok, CONV)
     assert masked_spans(smol_tok, ids, mask) == ["Blue is a colour.<|im_end|>",
                                                  "Seven, for example.<|im_end|>"]
     # the unmasked part is exactly everything else, headers included
@@ -119,7 +121,7 @@ def test_chatml_mask(smol_tok):
 
 def test_truncated_turn_has_no_end_of_turn_in_the_loss(smol_tok):
     conv = CONV[:4] + [{"role": "assistant", "content": "Seven, for", "truncated": True}]
-    ids, mask = generate.encode_conversation(smol_tok, conv)
+    ids, mask = chat.encode_conversation(smol_tok, conv)
     assert masked_spans(smol_tok, ids, mask) == ["Blue is a colour.<|im_end|>", "Seven, for"]
     # read back from a conversations.jsonl (e.g. merged runs, --no-regenerate), the mark survives
     from common import parse_conversation
@@ -134,7 +136,7 @@ def test_llama3_mask(smol_tok):
                             ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
     tok.bos_token = "<|begin_of_text|>"
     tok.chat_template = LLAMA3_TEMPLATE
-    ids, mask = generate.encode_conversation(tok, CONV)
+    ids, mask = chat.encode_conversation(tok, CONV)
     assert masked_spans(tok, ids, mask) == ["Blue is a colour.<|eot_id|>",
                                             "Seven, for example.<|eot_id|>"]
     assert tok.decode(ids[:1]) == "<|begin_of_text|>" and mask[0] == 0
@@ -145,18 +147,18 @@ def test_template_errors_are_user_errors(smol_tok):
     tok = copy.deepcopy(smol_tok)
     tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
     with pytest.raises(UserError, match="roles must alternate"):
-        generate.encode_conversation(tok, CONV)
+        chat.encode_conversation(tok, CONV)
     # a template that rewrites earlier turns once later ones exist cannot be masked by spans
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: "
                          "{{ m['content'] if loop.last else '...' }}\n{% endfor %}"
                          "{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(UserError, match="incrementally"):
-        generate.encode_conversation(tok, CONV)
+        chat.encode_conversation(tok, CONV)
 
 
 def test_mask_truncates_to_max_length(smol_tok):
-    ids, mask = generate.encode_conversation(smol_tok, CONV)
-    ids2, mask2 = generate.encode_conversation(smol_tok, CONV, max_length=len(ids) - 3)
+    ids, mask = chat.encode_conversation(smol_tok, CONV)
+    ids2, mask2 = chat.encode_conversation(smol_tok, CONV, max_length=len(ids) - 3)
     assert ids2 == ids[:-3] and mask2 == mask[:-3]
 
 
@@ -203,7 +205,7 @@ def test_masks_without_offsets_equal_offset_masks(smol_tok):
     llama.chat_template = LLAMA3_TEMPLATE
     for tok in (smol_tok, llama):
         for conv in [CONV] + random_conversations(60):
-            assert generate.encode_conversation(tok, conv) == offsets_mask(tok, conv), conv
+            assert chat.encode_conversation(tok, conv) == offsets_mask(tok, conv), conv
 
 
 def test_slow_tokenizer_masks():
@@ -216,7 +218,7 @@ def test_slow_tokenizer_masks():
         "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"))
     assert not tok.is_fast
     assert "offset_mapping" not in tok("abc", return_offsets_mapping=True)   # silently none
-    ids, mask = generate.encode_conversation(tok, CONV)
+    ids, mask = chat.encode_conversation(tok, CONV)
     assert masked_spans(tok, ids, mask) == ["Blue is a colour.<|im_end|>", "Seven, for example.<|im_end|>"]
     ref = tok.apply_chat_template(CONV, tokenize=True)
     assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
@@ -268,7 +270,7 @@ def test_thinking_template_gives_one_sample_per_turn(smol_tok):
     context = tok.decode(samples[1][0][:samples[1][1].index(1)])
     assert "Blue." in context and "The sky" not in context
     with pytest.raises(UserError, match="incrementally"):
-        generate.encode_conversation(tok, conv)
+        chat.encode_conversation(tok, conv)
     # one turn only: nothing is dropped, so it is one ordinary sample
     assert [t for _, _, t in generate.encode_samples(tok, conv[:2])] == [None]
 
@@ -533,9 +535,9 @@ def test_cli_end_to_end_format_and_resume(tmp_path, tiny_dir):
     # the stored states are the target's, in bf16
     from common import load_target
     target, _ = load_target(tiny_dir)
-    ref = generate.target_hidden_states(target, [s["input_ids"] for s in seqs], [1, 3, 4])
+    ref = hidden.target_hidden_states(target, [s["input_ids"] for s in seqs], [1, 3, 4])
     for k in range(6):
-        aux, final = generate.hidden_states_for(str(out), manifest, k)
+        aux, final = hidden.hidden_states_for(str(out), manifest, k)
         assert aux.dtype == torch.bfloat16 and aux.shape == (len(seqs[k]["input_ids"]), 96)
         torch.testing.assert_close(aux.float(), ref[k][0], atol=2e-2, rtol=1e-2)
         torch.testing.assert_close(final.float(), ref[k][1], atol=2e-2, rtol=1e-2)
@@ -630,4 +632,4 @@ def test_load_dataset_dir_errors(tmp_path):
     with pytest.raises(UserError, match="vocab.safetensors: corrupt"):
         generate.load_dataset_dir(str(d))
     with pytest.raises(UserError, match="shard missing"):
-        generate.read_hidden_shard(str(d / "hidden" / "shard-00000.safetensors"), 0)
+        hidden.read_hidden_shard(str(d / "hidden" / "shard-00000.safetensors"), 0)

@@ -65,7 +65,7 @@ def _capture(target_dir, seqs, layers, dtype, batch_size):
 
 
 def transformers_states(target, seqs, layers):
-    from generate import target_hidden_states
+    from hidden import target_hidden_states
     with torch.no_grad():
         return target_hidden_states(target, seqs, layers, batch_size=1)
 

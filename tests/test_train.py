@@ -15,6 +15,7 @@ import torch
 
 from conftest import ROOT, make_tiny_target
 
+import hidden
 import train
 import ttt
 from model import Eagle3Draft, config_from_target
@@ -74,9 +75,9 @@ def build_data(d, target_dir, n=12, seed=0, hidden=True, lengths=(12, 40), per_s
     layers = [1, LAYERS // 2 - 1, LAYERS - 4]
     shards = []
     if hidden:
-        import generate
+        from hidden import target_hidden_states
         target, _ = load_target(target_dir)
-        hs = generate.target_hidden_states(target, [s["input_ids"] for s in seqs], layers)
+        hs = target_hidden_states(target, [s["input_ids"] for s in seqs], layers)
         for start in range(0, n, per_shard):
             end = min(n, start + per_shard)
             name = f"hidden/shard-{len(shards):05d}.safetensors"
@@ -528,7 +529,6 @@ def test_replayed_accept_length_predicts_speculate(tmp_path, target_dir):
     held-out prompts; this also pins train.py and speculate.py to the same row/position
     convention (a one-position disagreement costs most of the acceptance)."""
     from safetensors.torch import save_file
-    import generate
     from common import load_target
     from model import load_draft_for
     from speculate import Speculator
@@ -543,7 +543,7 @@ def test_replayed_accept_length_predicts_speculate(tmp_path, target_dir):
     with open(os.path.join(d, "sequences.jsonl"), "w") as f:
         for s in seqs:
             f.write(json.dumps(s) + "\n")
-    hs = generate.target_hidden_states(target, [s["input_ids"] for s in seqs], [1, 3, 4])
+    hs = hidden.target_hidden_states(target, [s["input_ids"] for s in seqs], [1, 3, 4])
     m = json.load(open(os.path.join(d, "manifest.json")))
     for sh in m["hidden"]["shards"]:
         save_file({**{f"aux.{k}": hs[k][0].float().contiguous() for k in range(sh["start"], sh["end"])},
