@@ -181,7 +181,6 @@ class Offline:
         pass
 
 
-
 def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, layer_ids,
                   batch_size, threads, hidden_dtype, trust_remote_code=False,
                   backend="transformers"):
@@ -201,15 +200,17 @@ def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, lay
                                           gpu_id=torch.device(device).index or 0,
                                           trust_remote_code=trust_remote_code)
 
-            def target_hidden_states(_, seqs, layer_ids, batch_size):
+            def compute(seqs):
                 return sglang_engine.hidden_states(runner, seqs, layer_ids, batch_size)
-            target = None
         else:
-                        target, _ = load_target(target_name, target_dtype, device, trust_remote_code)
+            target, _ = load_target(target_name, target_dtype, device, trust_remote_code)
+
+            def compute(seqs):
+                return target_hidden_states(target, seqs, layer_ids, batch_size)
         hd = parse_dtype(hidden_dtype)
         for key, idx in jobs:
             with torch.inference_mode():
-                hs = target_hidden_states(target, [seqs[k] for k in idx], layer_ids, batch_size)
+                hs = compute([seqs[k] for k in idx])
             q.put((key, [(a.to("cpu", hd).clone(), f.to("cpu", hd).clone()) for a, f in hs]))
         q.put(("done", None))
         # Tensors travel as shared-memory handles owned by this process: it must outlive the
