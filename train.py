@@ -179,6 +179,10 @@ def init_fc_for_features(module, hidden, seed):
     from model import fc_weight_for_features
     aux = torch.cat([a for a, _ in hidden]).float()
     rms = aux.view(aux.shape[0], 3, -1).pow(2).mean(-1).sqrt().median(0).values
+    if not bool(torch.isfinite(rms).all()) or not bool((rms > 0).all()):
+        raise UserError(f"--fc-init rms: the target's hidden states of the first training "
+                        f"sequences have RMS {rms.tolist()} (not finite or zero); check the data, "
+                        f"or use --fc-init normal")
     w = module.draft.fc.weight
     full = fc_weight_for_features(w.shape[0], w.shape[1] // 3, rms,
                                   torch.Generator().manual_seed(seed)).to(w.dtype)
@@ -363,9 +367,9 @@ def parse_args(argv=None):
     ap.add_argument("--target", default=None, help="target model; default: the manifest's")
     ap.add_argument("--offline", action="store_true", help="read stored hidden states instead "
                     "of running the target concurrently")
-    ap.add_argument("--fc-init", default="normal", choices=["normal", "rms"],
-                    help="fc's initialisation: std 0.02 (normal), or scaled to the captured "
-                         "layers' RMS so fc(aux) starts at RMS ~1 (rms)")
+    ap.add_argument("--fc-init", default="rms", choices=["rms", "normal"],
+                    help="fc's initialisation: scaled to the captured layers' RMS so fc(aux) "
+                         "starts at RMS ~1 (rms, measured better), or plain std 0.02 (normal)")
     ap.add_argument("--init", default=None, help="start from this draft directory's weights")
     ap.add_argument("--draft-config", default=None,
                     help="JSON draft config whose shape fields (heads, head_dim, MLP size, RoPE, "

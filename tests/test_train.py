@@ -511,9 +511,14 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
     t = load_file(os.path.join(d, shard["file"]))
     t[f"aux.{k}"][:] = float("nan")
     save_file(t, os.path.join(d, shard["file"]))
+    # the poisoned sequence is among the 8 whose states scale fc (--fc-init rms, the default):
+    # that is a one-line error before any step
+    assert k in train_ids[:8]
+    expect_error(["--data", d, "--out", str(tmp_path / "rms"), "--offline", "--batch-size", "2",
+                  "--max-steps", "6"], "--fc-init rms: the target's hidden states")
     out = str(tmp_path / "run")
     line = expect_error(["--data", d, "--out", out, "--offline", "--batch-size", "2",
-                         "--max-steps", "6", "--save-every", "2"], f"step {step}")
+                         "--max-steps", "6", "--save-every", "2", "--fc-init", "normal"], f"step {step}")
     assert str(k) in line and "step-000002" in line
     assert [os.path.basename(c) for c in train.list_checkpoints(out)] == ["step-000002"]
     st = final_state(out)

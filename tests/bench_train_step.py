@@ -1,0 +1,80 @@
+"""Benchmark (not a unit test): where one training step's time goes, at the recipe's shapes.
+
+Times, in one process on one thread, the target side of the loss (ttt.target_side) computed the
+first time a sequence is seen (full-vocabulary lm_head product, for the in-draft-vocabulary bit)
+and every later time (only the draft vocabulary's rows), next to one TTT forward + backward +
+AdamW step of the draft. Random features at SmolLM2-135M's sizes; only the shapes matter.
+
+    python tests/bench_train_step.py [--ttt-length 3] [--batch-size 8] [--seq-len 256] [--vocab 8192]
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ttt  # noqa: E402
+from model import DraftConfig, Eagle3Draft  # noqa: E402
+
+
+def timed(f, n=3):
+    f()
+    t = time.perf_counter()
+    for _ in range(n):
+        out = f()
+    return (time.perf_counter() - t) / n, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ttt-length", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192, help="draft vocabulary")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    V, Ht, B, T, J, Vd = 49152, 576, a.batch_size, a.seq_len, a.ttt_length, a.vocab
+    cfg = DraftConfig(hidden_size=Ht, target_hidden_size=Ht, intermediate_size=1536,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=V,
+                      draft_vocab_size=Vd, max_position_embeddings=8192, rope_theta=100000.0,
+                      rms_norm_eps=1e-5, aux_layer_ids=[1, 14, 26])
+    draft = Eagle3Draft(cfg, torch.randn(V, Ht) * 0.02)
+    ids_d = torch.randperm(V)[:Vd].sort().values
+    draft.set_vocab(ids_d)
+    lm_w = (torch.randn(V, Ht) * 0.02).bfloat16()
+    lm_wd = lm_w[ids_d].contiguous()
+    module = ttt.TTTLoss(draft, J)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, V, (B, T))
+    aux, final = torch.randn(B, T, 3 * Ht) * 5, torch.randn(B, T, Ht)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, :T // 6] = False                                   # a prompt: not in the loss
+    need = ttt.shift_left(mask, 1, False)
+    ac = torch.autocast("cpu", dtype=torch.bfloat16)
+    with ac:
+        t_first, (p, am, inv) = timed(lambda: ttt.target_side(final, lm_wd, need=need, lm_w=lm_w,
+                                                              t2d=draft.t2d))
+        t_later, _ = timed(lambda: ttt.target_side(final, lm_wd, need=need, in_vocab=inv))
+    valid = ttt.valid_rows(mask, torch.ones_like(mask), J)
+    denom = valid.sum((1, 2)).float()
+
+    def step():
+        with ac:
+            loss, _, _ = module(ids, aux, p, am, valid, denom, 1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    t_step, _ = timed(step)
+    n = B * T
+    print(f"B={B} T={T} TTT {J} Vd {Vd}: target side first sight {t_first:.3f} s, later "
+          f"{t_later:.3f} s; draft forward+backward+AdamW {t_step:.3f} s")
+    print(f"share of a step: {t_first / (t_first + t_step):.0%} -> {t_later / (t_later + t_step):.0%}; "
+          f"tok/s {n / (t_first + t_step):.0f} -> {n / (t_later + t_step):.0f}")
+
+
+if __name__ == "__main__":
+    main()
