@@ -27,7 +27,6 @@ the draft's decode steps one position later, as SGLang's draft loop does.
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
