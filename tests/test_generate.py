@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, make_tiny_target
 
 import chat
+import dataset
 import generate
 import hidden
 import sglang_engine
@@ -520,7 +521,7 @@ def test_cli_end_to_end_format_and_resume(tmp_path, tiny_dir):
                                          {"role": "user", "content": "second"}]}])
     out = tmp_path / "out"
     run_cli(tiny_dir, out, prompts, "--hidden-states", "--shard-size", "4", "--temperature", "0")
-    manifest, seqs, vocab = generate.load_dataset_dir(str(out))
+    manifest, seqs, vocab = dataset.load_dataset_dir(str(out))
     assert manifest["target"] == tiny_dir and manifest["num_sequences"] == len(seqs) == 6
     assert manifest["aux_layer_ids"] == [1, 3, 4] and manifest["draft_vocab_size"] == 40
     assert manifest["num_tokens"] == sum(len(s["input_ids"]) for s in seqs)
@@ -549,7 +550,7 @@ def test_cli_end_to_end_format_and_resume(tmp_path, tiny_dir):
     assert os.stat(out / files[0]).st_mtime_ns == stamps[files[0]]
     assert os.stat(out / files[1]).st_mtime_ns == stamps[files[1]]
     assert os.path.exists(out / files[2])
-    assert generate.load_dataset_dir(str(out))[0]["complete"]
+    assert dataset.load_dataset_dir(str(out))[0]["complete"]
     # the same directory for another target, or other generation settings: refused
     with pytest.raises(UserError, match="holds data for target"):
         generate.main(["--target", "default", "--prompts", prompts, "--out", str(out)])
@@ -609,27 +610,27 @@ def test_cli_bad_json_line_is_one_error_line(tmp_path, tiny_dir):
 
 def test_load_dataset_dir_errors(tmp_path):
     with pytest.raises(UserError, match="no such data directory"):
-        generate.load_dataset_dir(str(tmp_path / "nope"))
+        dataset.load_dataset_dir(str(tmp_path / "nope"))
     d = tmp_path / "d"
     d.mkdir()
     with pytest.raises(UserError, match="no manifest.json"):
-        generate.load_dataset_dir(str(d))
+        dataset.load_dataset_dir(str(d))
     (d / "manifest.json").write_text("{bad")
     with pytest.raises(UserError, match="corrupt"):
-        generate.load_dataset_dir(str(d))
+        dataset.load_dataset_dir(str(d))
     (d / "manifest.json").write_text(json.dumps({"complete": False}))
     with pytest.raises(UserError, match="did not finish"):
-        generate.load_dataset_dir(str(d))
+        dataset.load_dataset_dir(str(d))
     (d / "manifest.json").write_text(json.dumps({"complete": True, "num_sequences": 1,
                                                  "vocab_size": 4, "draft_vocab_size": 2}))
     (d / "sequences.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
     with pytest.raises(UserError, match="sequences.jsonl:1: corrupt"):
-        generate.load_dataset_dir(str(d))
+        dataset.load_dataset_dir(str(d))
     (d / "sequences.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
     with pytest.raises(UserError, match="no vocab.safetensors"):
-        generate.load_dataset_dir(str(d))
+        dataset.load_dataset_dir(str(d))
     (d / "vocab.safetensors").write_bytes(b"garbage")
     with pytest.raises(UserError, match="vocab.safetensors: corrupt"):
-        generate.load_dataset_dir(str(d))
+        dataset.load_dataset_dir(str(d))
     with pytest.raises(UserError, match="shard missing"):
         hidden.read_hidden_shard(str(d / "hidden" / "shard-00000.safetensors"), 0)

@@ -155,9 +155,10 @@ def torchrun(args):
 
 
 def test_kimi_like_target_end_to_end(tmp_path, monkeypatch):
+    import dataset
     import generate
     import speculate
-    import train
+    import rundir
     from common import load_target
     from model import load_draft_for
     from test_model import expected_tensors
@@ -178,7 +179,7 @@ def test_kimi_like_target_end_to_end(tmp_path, monkeypatch):
         generate.main(gen)
     assert not os.path.exists(data)
     generate.main(gen + ["--trust-remote-code"])
-    manifest, seqs, vocab = generate.load_dataset_dir(data)
+    manifest, seqs, vocab = dataset.load_dataset_dir(data)
     assert manifest["aux_layer_ids"] == [0, 2, 4]          # L = 6: distinct, not [1, 2, 2]
     # the thinking template drops turn 1's reasoning once turn 2 exists: the two-turn
     # conversation is two samples, each rendered as the model saw it, one turn in each loss
@@ -205,9 +206,9 @@ def test_kimi_like_target_end_to_end(tmp_path, monkeypatch):
     off, on = str(tmp_path / "off"), str(tmp_path / "on")
     torchrun(common + ["--out", off, "--offline"])
     torchrun(common + ["--out", on, "--prefetch", "2"])
-    a = torch.load(os.path.join(train.list_checkpoints(off)[-1], "trainer_state.pt"),
+    a = torch.load(os.path.join(rundir.list_checkpoints(off)[-1], "trainer_state.pt"),
                    weights_only=False)
-    b = torch.load(os.path.join(train.list_checkpoints(on)[-1], "trainer_state.pt"),
+    b = torch.load(os.path.join(rundir.list_checkpoints(on)[-1], "trainer_state.pt"),
                    weights_only=False)
     assert a["step"] == b["step"] == 6
     for k in a["model"]:     # the producer's states equal the stored ones: same training
@@ -217,7 +218,7 @@ def test_kimi_like_target_end_to_end(tmp_path, monkeypatch):
     assert p.returncode == 2 and "--trust-remote-code" in p.stderr.strip().splitlines()[-1]
 
     # the checkpoint: SGLang's names and shapes, the MLA draft shape, the data's vocab and layers
-    ck = train.list_checkpoints(off)[-1]
+    ck = rundir.list_checkpoints(off)[-1]
     cfg = json.load(open(os.path.join(ck, "config.json")))
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]

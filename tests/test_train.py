@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT, make_tiny_target
 
 import hidden
+import rundir
 import train
 import ttt
 from model import Eagle3Draft, config_from_target
@@ -43,7 +44,7 @@ def save_tiny_target(path, max_positions=512):
 
 def tokenizer_hash(target_dir):
     from transformers import AutoTokenizer
-    from generate import tokenizer_hash
+    from dataset import tokenizer_hash
     return tokenizer_hash(AutoTokenizer.from_pretrained(target_dir))
 
 
@@ -128,7 +129,7 @@ def run_train(args, check=True, env=None, **kw):
 
 
 def final_state(run_dir):
-    ck = train.list_checkpoints(run_dir)[-1]
+    ck = rundir.list_checkpoints(run_dir)[-1]
     return torch.load(os.path.join(ck, "trainer_state.pt"), weights_only=False)
 
 
@@ -326,7 +327,7 @@ def test_offline_run_exports_loadable_draft_and_learns(tmp_path, data_dir, targe
     p = run_train(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2",
                    "--max-steps", "12", "--lr", "3e-3", "--ttt-length", "3", "--save-every", "5",
                    "--eval-every", "6", "--log-every", "2", "--keep", "2"] + FP32)
-    ck = train.list_checkpoints(out)
+    ck = rundir.list_checkpoints(out)
     assert [os.path.basename(c) for c in ck] == ["step-000010", "step-000012"]   # keep 2
     train_log, eval_log = read_log(out), read_log(out, "eval")
     assert len(train_log) == 6 and len(eval_log) == 2
@@ -362,7 +363,7 @@ def interrupted_equals_uninterrupted(tmp_path, data_dir, how):
     proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == (-9 if how == "kill" else 130), err
-    stopped = int(os.path.basename(train.list_checkpoints(out)[-1])[5:])
+    stopped = int(os.path.basename(rundir.list_checkpoints(out)[-1])[5:])
     assert stopped < 40, "the run finished before it could be interrupted"
     if how == "interrupt":
         assert "interrupted: saved" in err
@@ -475,7 +476,7 @@ def test_bad_inputs(tmp_path, target_dir, data_dir):
     expect_error(["--data", d] + base, "no stored hidden states")
     expect_error(["--data", str(tmp_path / "missing")] + base, "no such directory")
     expect_error(["--data", data_dir] + base + ["--resume"], "no checkpoint")
-    assert not train.list_checkpoints(out)
+    assert not rundir.list_checkpoints(out)
 
 
 def test_bad_vocab_for_init_draft(tmp_path, target_dir, data_dir):
@@ -520,7 +521,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
     line = expect_error(["--data", d, "--out", out, "--offline", "--batch-size", "2",
                          "--max-steps", "6", "--save-every", "2", "--fc-init", "normal"], f"step {step}")
     assert str(k) in line and "step-000002" in line
-    assert [os.path.basename(c) for c in train.list_checkpoints(out)] == ["step-000002"]
+    assert [os.path.basename(c) for c in rundir.list_checkpoints(out)] == ["step-000002"]
     st = final_state(out)
     assert all(torch.isfinite(v).all() for v in st["model"].values() if v.is_floating_point())
 
@@ -559,7 +560,7 @@ def test_replayed_accept_length_predicts_speculate(tmp_path, target_dir):
                "--lr", "3e-3", "--ttt-length", "4", "--eval-fraction", "0.25", "--eval-every", "1000",
                "--log-every", "50"] + FP32)
     ev = read_log(out, "eval")[-1]
-    draft = load_draft_for(train.list_checkpoints(out)[-1], target, torch.float32)
+    draft = load_draft_for(rundir.list_checkpoints(out)[-1], target, torch.float32)
     spec = Speculator(target, draft, steps=3, topk=1)
     tokens = rounds = 0
     for k in json.load(open(os.path.join(out, "args.json")))["eval_sequences"]:
@@ -581,7 +582,7 @@ def test_draft_config_shapes_a_new_draft(tmp_path, data_dir):
     out = str(tmp_path / "run")
     run_train(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2", "--max-steps",
                "2", "--ttt-length", "2", "--draft-config", str(p)] + FP32)
-    cfg = json.load(open(os.path.join(train.list_checkpoints(out)[-1], "config.json")))
+    cfg = json.load(open(os.path.join(rundir.list_checkpoints(out)[-1], "config.json")))
     assert (cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["head_dim"], cfg["rope_theta"]) == (40, 2, 1, 12, 1e6)
     p.write_text(json.dumps({"draft_vocab_size": 7}))

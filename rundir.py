@@ -1,0 +1,161 @@
+"""
+A training run's directory, everything train.py writes besides the weights' math:
+
+    RUN/log.jsonl               one JSON record per logged train step and per eval
+    RUN/curves.png              loss, per-step accuracy and accept length, redrawn as it runs
+    RUN/eval_prompts.jsonl      the held-out conversations, as speculate.py --prompts input
+    RUN/checkpoints/step-N/     config.json + model.safetensors (an SGLang/vLLM-loadable draft)
+                                + trainer_state.pt (model, optimizer, schedule, RNG, data position)
+
+Checkpoints are written into a temporary directory and renamed into place, so a run killed at any
+moment leaves only complete ones, and `train.py --resume` continues from the last one exactly.
+"""
+import glob
+import json
+import os
+import random
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from common import UserError
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: checkpoints/step-NNNNNN/ = SGLang draft (config.json, model.safetensors) + trainer_state.pt
+
+def state_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def save_checkpoint(run_dir, step, module, opt, sched, data_pos, args, draft_cfg, draft_ids,
+                    rank, keep, export_dtype):
+    """Write checkpoints/step-N atomically: everything goes into a temporary directory that is
+    renamed into place at the end, so a kill at any moment leaves only complete checkpoints."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from model import Eagle3Draft
+    msd = get_model_state_dict(module, options=state_options(cpu_offload=True))
+    osd = get_optimizer_state_dict(module, opt, options=state_options(cpu_offload=True))
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng)
+    path = None
+    if rank == 0:
+        root = os.path.join(run_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, f"step-{step:06d}")
+        tmp = os.path.join(root, f".tmp-step-{step:06d}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        # the embedding is the target's and frozen: not part of the trainer state
+        sd = {k[len("draft."):]: v for k, v in msd.items() if k != "draft.embed_tokens.weight"}
+        torch.save({"step": step, "model": sd, "optim": osd, "sched": sched.state_dict(),
+                    "rng": rngs, "data": data_pos, "args": vars(args),
+                    "draft_ids": draft_ids.cpu()}, os.path.join(tmp, "trainer_state.pt"))
+        export = Eagle3Draft(draft_cfg)
+        export.load_state_dict(sd, strict=False)   # embedding stays zero: not exported (H == Ht)
+        export.save_pretrained(tmp, dtype=export_dtype)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def list_checkpoints(run_dir):
+    return sorted(p for p in glob.glob(os.path.join(run_dir, "checkpoints", "step-*"))
+                  if os.path.exists(os.path.join(p, "trainer_state.pt")))
+
+
+def load_checkpoint(path, module, opt, sched, rank, world, draft_ids):
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    try:
+        st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise UserError(f"{path}: unreadable checkpoint ({str(e).splitlines()[0]})")
+    if not torch.equal(st["draft_ids"], draft_ids.cpu()):
+        raise UserError(f"{path}: the checkpoint's draft vocabulary does not match the data's "
+                        f"vocab.safetensors")
+    sd = {"draft." + k: v for k, v in st["model"].items()}
+    set_model_state_dict(module, sd, options=state_options(strict=False))
+    set_optimizer_state_dict(module, opt, st["optim"], options=state_options())
+    sched.load_state_dict(st["sched"])
+    if len(st["rng"]) == world:   # RNG streams are per rank; a different world size starts fresh
+        r = st["rng"][rank]
+        torch.set_rng_state(r["torch"])
+        random.setstate(r["python"])
+        if r.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(r["cuda"])
+    return st
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging and plots
+
+def write_plots(run_dir, log_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    train, evals = [], []
+    with open(log_path) as f:
+        for line in f:
+            r = json.loads(line)
+            (evals if r.get("split") == "eval" else train).append(r)
+    if not train and not evals:
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    if train:
+        ax[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+        J = len(train[-1]["acc_j"])
+        for j in range(J):
+            ax[1].plot([r["step"] for r in train], [r["acc_j"][j] for r in train], label=f"step {j}")
+        ax[2].plot([r["tokens"] for r in train], [r["accept_len_3"] for r in train],
+                   label="train, chain of 3")
+    if evals:
+        ax[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+        ax[2].plot([r["tokens"] for r in evals], [r["accept_len_3"] for r in evals], "o-",
+                   label="eval, chain of 3")
+        ax[2].plot([r["tokens"] for r in evals], [r["replay_accept_3"] for r in evals], "s--",
+                   label="eval, chain of 3, decoding replayed")
+    ax[0].set(xlabel="step", ylabel="TTT loss", title="loss")
+    ax[1].set(xlabel="step", ylabel="accuracy", title="train accuracy per TTT step", ylim=(0, 1))
+    ax[2].set(xlabel="training tokens", ylabel="tokens per round",
+              title="simulated accept length")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = os.path.join(run_dir, ".curves.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, os.path.join(run_dir, "curves.png"))
+
+
+def write_eval_prompts(data_path, seqs, eval_ids, out_path):
+    """The held-out conversations as speculate.py --prompts input, so decode-time acceptance can
+    be measured on exactly the sequences eval's simulated accept length comes from."""
+    cpath = os.path.join(data_path, "conversations.jsonl")
+    if not eval_ids or not os.path.exists(cpath):
+        return
+    with open(cpath) as f:
+        convs = [json.loads(l) for l in f if l.strip()]
+    with open(out_path, "w") as f:
+        for k in eval_ids:
+            c = seqs[k].get("conversation", k)
+            if isinstance(c, int) and 0 <= c < len(convs):
+                f.write(json.dumps({"messages": convs[c]["messages"]}) + "\n")
+
+
+def truncate_log(log_path, step):
+    """On resume, drop log records a killed run wrote after its last checkpoint."""
+    if not os.path.exists(log_path):
+        return
+    with open(log_path) as f:
+        keep = [l for l in f if l.strip() and json.loads(l)["step"] <= step]
+    with open(log_path, "w") as f:
+        f.writelines(keep)
