@@ -309,7 +309,7 @@ def summarise_torch(records, runner):
         "mismatches": (None if records[0]["match"] is None
                        else sum(not r["match"] for r in records)),
         "per_prompt": [{k: r[k] for k in ("item", "turn", "repeat", "new_tokens", "time",
-                                          "speedup")} for r in records],
+                                          "speedup", "verified", "rounds")} for r in records],
     }
     if runner.kind == "eagle3":
         # share of verify rounds that accepted at least j+1 drafted tokens
