@@ -251,7 +251,7 @@ def run_torch(args, benches, configs, target, tok, draft, stop):
     runners = [baseline_runner(target, args, stop)]
     runners += [eagle_runner(target, draft, c, args, stop) for c in configs if c.speculative]
     if not args.no_peers:
-        runners += [hf_runner(target, args, stop, False), hf_runner(target, args, stop, True)]
+        runners += [hf_runner(target, args, stop, p == "lookup") for p in args.peers]
     # Warm-up: the first call of each path pays one-time costs (allocator, kernels, caches).
     first = chat_prompt_ids(tok, conversation(benches[0][1][0], 0, []))
     for r in runners:
@@ -529,6 +529,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1, help="times each prompt is run (torch)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peers", action="store_true", help="skip the transformers peers (torch)")
+    ap.add_argument("--peers", nargs="+", choices=["generate", "lookup"], default=["generate", "lookup"],
+                    help="which transformers peers to run (torch): plain generate, prompt lookup")
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10,
                     help="prompt_lookup_num_tokens of the prompt-lookup peer")
     ap.add_argument("--sglang-positions", action="store_true",

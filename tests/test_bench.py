@@ -129,6 +129,10 @@ def test_torch_backend_end_to_end(tiny, tmp_path):
         # accept length is verified tokens over rounds; per-position acceptance sums to it minus 1
         if e["position_acceptance"] is not None:
             assert abs(1 + sum(e["position_acceptance"]) - e["accept_length"]) < 1e-9
+        # the per-prompt records carry what accept length is made of, so any subset can be scored
+        pp = e["per_prompt"]
+        assert abs(sum(p["verified"] for p in pp) / sum(p["rounds"] for p in pp)
+                   - e["accept_length"]) < 1e-9
     mt = [e for e in d["results"] if e["benchmark"] == "mtbench"]
     assert all(e["prompts"] == 2 for e in mt)        # both MT-Bench turns ran
     assert {p["turn"] for p in mt[0]["per_prompt"]} == {0, 1}
@@ -138,6 +142,16 @@ def test_torch_backend_end_to_end(tiny, tmp_path):
     assert {"platform", "cpu_count", "torch_threads", "device"} <= set(d["machine"])
     assert {"torch", "transformers", "python"} <= set(d["versions"])
     assert "accept len" in r.stdout and "hf-prompt-lookup" in r.stdout
+
+
+def test_peers_can_be_chosen(tiny, tmp_path):
+    out = tmp_path / "r.json"
+    r = run_cli("--target", tiny["target"], "--draft", tiny["draft"], "--dtype", "float32",
+                "--benchmark-list", "humaneval:1", "--config-list", "1,0,0,0", "--peers", "lookup",
+                "--max-new-tokens", "2", "--output", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [e["config"] for e in json.loads(out.read_text())["results"]] == ["1,0,0,0",
+                                                                              "hf-prompt-lookup"]
 
 
 def test_cli_error_is_one_line_and_writes_nothing(tiny, tmp_path):
