@@ -597,12 +597,12 @@ def main(argv=None):
     from common import stop_token_ids
     import torch
     if args.backend == "torch":
-        from common import load_target
+        from common import load_target, pack_linears
         from model import load_draft_for
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         target, tok = load_target(target_dir, dtype, device, args.trust_remote_code)
         stop = stop_token_ids(tok, target.config)
-        draft = load_draft_for(args.draft, target, dtype) if need_draft else None
+        draft = pack_linears(load_draft_for(args.draft, target, dtype)) if need_draft else None
         records, runners = run_torch(args, benches, configs, target, tok, draft, stop)
         per = {label: {r.name: dict(summarise_torch(recs[r.name], r),
                                     kind=r.kind, cfg=r.cfg) for r in runners}

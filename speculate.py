@@ -428,7 +428,7 @@ DEFAULT_PROMPTS = [
 
 
 def main():
-    from common import chat_prompt_ids, load_target, parse_dtype, read_prompts, stop_token_ids
+    from common import chat_prompt_ids, load_target, pack_linears, parse_dtype, read_prompts, stop_token_ids
     from model import load_draft_for
     ap = argparse.ArgumentParser(description="EAGLE-3 draft-verify decoding in plain PyTorch.")
     ap.add_argument("--draft", required=True, help="draft directory (config.json + model.safetensors)")
@@ -479,7 +479,7 @@ def main():
         prompts = [[{"role": "user", "content": p}] for p in
                    ([args.prompt] if args.prompt is not None else DEFAULT_PROMPTS)]
     target, tok = load_target(args.target, dtype, args.device, args.trust_remote_code)
-    draft = load_draft_for(args.draft, target, dtype)
+    draft = pack_linears(load_draft_for(args.draft, target, dtype))  # inference only
     stop = stop_token_ids(tok, target.config)
     spec = Speculator(target, draft, args.steps, args.topk, args.num_draft_tokens,
                       args.temperature, args.top_p, stop, args.sglang_positions)

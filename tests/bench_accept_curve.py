@@ -63,7 +63,7 @@ def main():
     import torch
     from tqdm import tqdm
     from bench import conversation, parse_benchmark
-    from common import chat_prompt_ids, load_target, stop_token_ids
+    from common import chat_prompt_ids, load_target, pack_linears, stop_token_ids
     from model import load_draft_for
     from speculate import Speculator, target_generate
     if args.threads:
@@ -87,7 +87,7 @@ def main():
 
     points = []
     for step, path in tqdm(ckpts, desc="checkpoints", file=sys.stderr):
-        draft = load_draft_for(path, target, target.dtype)
+        draft = pack_linears(load_draft_for(path, target, target.dtype))
         spec = Speculator(target, draft, args.steps, args.topk, args.num_draft_tokens, 0.0, 1.0,
                           stop)
         rounds = verified = 0

@@ -137,6 +137,38 @@ def test_greedy_identical_high_acceptance(steps, topk, ndt):
     assert all(v > 0 for v in seen.values()), seen
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_prepacked_linears_keep_logits_and_losslessness():
+    """common.pack_linears (what load_target does on CPU) swaps the matmul kernel of every Linear:
+    logits stay within fp32 rounding, greedy speculation stays token-identical, gradients still
+    flow where one is asked for (fallback to F.linear), and bf16 weights are packed too."""
+    from common import pack_linears
+    t, d = bigram_pair()
+    x = torch.tensor([prompts(1, 32, seed=3)[0]])
+    with torch.no_grad():
+        before = t(x).logits
+    pack_linears(t), pack_linears(d)
+    assert isinstance(t.lm_head.forward, __import__("functools").partial)  # really swapped
+    with torch.no_grad():
+        after = t(x).logits
+    assert torch.allclose(before, after, rtol=1e-5, atol=1e-4)
+    for steps, topk, ndt in CONFIGS[:2]:
+        spec = Speculator(t, d, steps, topk, ndt, stop_ids=())
+        for i, p in enumerate(prompts(6, 32, seed=20 + steps)):
+            ref, _ = target_generate(t, p, 30)
+            out, st = spec.generate(p, 30)
+            assert out == ref, f"prompt {i}"
+    lin = pack_linears(torch.nn.Linear(8, 4))
+    inp = torch.randn(3, 8, requires_grad=True)
+    lin(inp).sum().backward()
+    assert inp.grad is not None and lin.weight.grad is not None
+    lin16 = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    want = lin16(torch.ones(2, 16, dtype=torch.bfloat16)).detach()
+    pack_linears(lin16.requires_grad_(False))
+    assert torch.allclose(lin16(torch.ones(2, 16, dtype=torch.bfloat16)).float(), want.float(),
+                          rtol=2e-2, atol=2e-2)
+
+
 def test_high_acceptance_draft_really_accelerates_in_rounds():
     """Sanity of the fixture the tests above rely on: the hand-built draft is accepted often."""
     t, d = bigram_pair()
