@@ -601,6 +601,7 @@ def main(argv=None):
         from model import load_draft_for
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         target, tok = load_target(target_dir, dtype, device, args.trust_remote_code)
+        pack_linears(target)  # CPU: faster small matmuls (common.py); peers share the same model
         stop = stop_token_ids(tok, target.config)
         draft = pack_linears(load_draft_for(args.draft, target, dtype)) if need_draft else None
         records, runners = run_torch(args, benches, configs, target, tok, draft, stop)

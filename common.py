@@ -7,6 +7,7 @@ The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file ins
 the quantised weights are dequantised on load, so the first use converts it once into a plain
 transformers directory under a cache folder; every later load takes under a second.
 """
+import functools
 import gzip
 import importlib.util
 import json
@@ -177,26 +178,30 @@ def load_target(target=DEFAULT_TARGET, dtype="float32", device="cpu", trust_remo
         # that first copies lm_head once per row ([B, H, V]: 3.6 GB at B=64 for SmolLM2): 2.8 s
         # against 14 ms, per generate() call. Handing it a contiguous copy avoids that.
         head.register_forward_pre_hook(lambda m, args: (args[0].contiguous(),) + tuple(args[1:]))
-    pack_linears(model)
     return model, tok
 
 
 def pack_linears(model):
-    """Frozen model on CPU: every nn.Linear multiplies by a copy of its weight prepacked once in
-    oneDNN's blocked layout (the kernel torch.compile's CPU "freezing" path uses). Inference only:
-    the copy does not follow later changes to the weight and has no autograd.
+    """Frozen model on CPU, for decoding: every nn.Linear multiplies by a copy of its weight
+    prepacked once in oneDNN's blocked layout (the kernel torch.compile's CPU "freezing" path
+    uses). Inference only: the copy does not follow later changes to the weight and has no
+    autograd. unpack_linears undoes it. Hidden-state capture stays on transformers' own kernels,
+    so captured states equal SGLang's bit for bit in fp32 (tests/test_sglang_cpu.py).
 
-    Why: F.linear goes to MKL's sgemm, which repacks the weight on every call. For the 1-8 rows of
-    decoding and verification that copy costs as much as the product itself: on this 2-core CPU a
-    4-token verify of SmolLM2 cost 1.6x a 1-token decode step in fp32, which is what kept the fp32
-    speculative loop slower than plain decoding. Prepacked (measured, 1 thread, whole model at a
-    200-token prefix): fp32 1-token step 55 -> 60 ms, 4-token verify 88 -> 56 ms; bf16 53 -> 42,
-    55 -> 38 ms; lm_head alone on 2 threads, 1 row: 9.5 -> 4.1 ms. Every row count measured
-    (1 to 512) is as fast or faster. Costs one more copy of the weights in memory."""
-    import functools
+    Why: F.linear's generic gemm is slow for the 1-8 rows of decoding and verification (here a
+    4-row product with SmolLM2's lm_head took 1.8x a 1-row one, far below memory bandwidth), and a
+    single row barely gains from a second thread (10.4 -> 9.5 ms). On this 2-core CPU a 4-token
+    verify cost 1.6x a 1-token decode step in fp32, which kept the fp32 speculative loop slower
+    than plain decoding. Prepacked
+    (measured, 1 thread, whole model, 200-token prefix): fp32 1-token step 55 -> 60 ms (noise
+    level), 4-token verify 88 -> 56 ms; bf16 53 -> 42 and 55 -> 38 ms; lm_head alone on 2 threads,
+    1 row: 9.5 -> 4.1 ms. Per matmul, every row count measured (1 to 512) was as fast or faster.
+    Costs one more copy of the weights in memory. The two ops are torch-internal (torch.ops.mkldnn,
+    present in the pinned 2.13); where they are missing the model is left as it was."""
     import torch
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")):
+    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+            and hasattr(mkldnn, "_reorder_linear_weight")):
         return model
     for mod in model.modules():
         w = getattr(mod, "weight", None)
@@ -205,6 +210,15 @@ def pack_linears(model):
             continue
         packed = mkldnn._reorder_linear_weight(w.detach())
         mod.forward = functools.partial(_packed_linear, packed, w, mod.bias)
+    return model
+
+
+def unpack_linears(model):
+    """Back to nn.Linear's own forward (drops the packed copies)."""
+    for mod in model.modules():
+        if "forward" in vars(mod) and isinstance(mod.forward, functools.partial) \
+                and mod.forward.func is _packed_linear:
+            del mod.forward
     return model
 
 

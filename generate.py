@@ -452,7 +452,7 @@ def check_args(args):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    from common import load_target, parse_dtype, resolve_target
+    from common import load_target, pack_linears, parse_dtype, resolve_target, unpack_linears
     from model import default_aux_layers
 
     # --- everything that can go wrong with the user's input is checked before writing anything
@@ -526,6 +526,9 @@ def main(argv=None):
                      "complete": False})
     atomic_write_text(os.path.join(out, MANIFEST), json.dumps(manifest, indent=2))
 
+    if target is not None:
+        pack_linears(target)  # synthesis and regeneration decode: faster small matmuls (common.py)
+
     # --- 1. prompts
     if args.synthesize:
         convs = synthesize_prompts(target, tok, args.synthesize, os.path.join(out, SYNTH_PROMPTS),
@@ -594,6 +597,8 @@ def main(argv=None):
     hidden, hs_rate = None, None
     if args.hidden_states:
         if args.backend == "hf":
+            unpack_linears(target)  # states from transformers' own kernels, as SGLang's
+
             def compute(seqs):
                 return target_hidden_states(target, seqs, layer_ids, args.batch_size)
         else:

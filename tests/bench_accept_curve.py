@@ -73,6 +73,7 @@ def main():
     tokens, evals = read_log(args.run)
     label, items = parse_benchmark(args.benchmark)
     target, tok = load_target(args.target, args.dtype, "cpu")
+    pack_linears(target)
     stop = stop_token_ids(tok, target.generation_config)
 
     # Prompts: first turns, then second turns after the target's own greedy first answer.

@@ -139,10 +139,11 @@ def test_greedy_identical_high_acceptance(steps, topk, ndt):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 def test_prepacked_linears_keep_logits_and_losslessness():
-    """common.pack_linears (what load_target does on CPU) swaps the matmul kernel of every Linear:
-    logits stay within fp32 rounding, greedy speculation stays token-identical, gradients still
-    flow where one is asked for (fallback to F.linear), and bf16 weights are packed too."""
-    from common import pack_linears
+    """common.pack_linears (what speculate.py, bench.py and generate.py's decoding do on CPU) swaps
+    the matmul kernel of every Linear: logits stay within fp32 rounding, greedy speculation stays
+    token-identical, gradients still flow where one is asked for (fallback to F.linear), bf16
+    weights are packed too, and unpack_linears restores transformers' own results bit for bit."""
+    from common import pack_linears, unpack_linears
     t, d = bigram_pair()
     x = torch.tensor([prompts(1, 32, seed=3)[0]])
     with torch.no_grad():
@@ -158,6 +159,10 @@ def test_prepacked_linears_keep_logits_and_losslessness():
             ref, _ = target_generate(t, p, 30)
             out, st = spec.generate(p, 30)
             assert out == ref, f"prompt {i}"
+    unpack_linears(t)
+    assert "forward" not in vars(t.lm_head)
+    with torch.no_grad():
+        assert torch.equal(t(x).logits, before)
     lin = pack_linears(torch.nn.Linear(8, 4))
     inp = torch.randn(3, 8, requires_grad=True)
     lin(inp).sum().backward()
