@@ -334,9 +334,10 @@ def regenerate(skeletons, path, fill, chunk):
 # ----------------------------------------------------------------------------------------------
 # 4. Draft vocabulary
 
-def build_vocab(sequences, V, Vd, fill=False):
+def build_vocab(sequences, V, Vd, fill=False, keep_ids=None):
     """Counts of loss-masked target ids, the Vd most frequent (ties: lower id) sorted ascending,
-    d2t offsets and the t2d mask (reference §3). Returns (vocab dict, coverage)."""
+    d2t offsets and the t2d mask (reference §3). Returns (vocab dict, coverage). keep_ids
+    (--vocab-from): use that draft's ids instead, so train.py --init can continue it on this data."""
     counts = torch.zeros(V, dtype=torch.long)
     for s in sequences:
         ids = torch.tensor(s["input_ids"], dtype=torch.long)
@@ -346,13 +347,15 @@ def build_vocab(sequences, V, Vd, fill=False):
                             f"the tokenizer does not belong to this target")
         counts += torch.bincount(ids[m], minlength=V)
     seen = int((counts > 0).sum())
+    if keep_ids is not None:
+        Vd, fill = keep_ids.numel(), True
     if Vd > seen and not fill:
         raise UserError(f"--draft-vocab-size {Vd} is larger than the {seen} distinct assistant "
                         f"tokens seen: use a smaller size, more data, or --fill-vocab (fills the "
                         f"rest with unseen ids, lowest id first)")
     # sort by count descending, then id ascending: a stable sort of ids by -count does both
     order = torch.sort(-counts, stable=True).indices
-    draft_ids = order[:Vd].sort().values
+    draft_ids = order[:Vd].sort().values if keep_ids is None else keep_ids
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[draft_ids] = True
     total = int(counts.sum())
@@ -360,6 +363,29 @@ def build_vocab(sequences, V, Vd, fill=False):
     vocab = {"draft_ids": draft_ids, "d2t": draft_ids - torch.arange(Vd), "t2d": t2d,
              "counts": counts}
     return vocab, coverage
+
+
+def draft_vocab_of(path, V):
+    """--vocab-from DIR: (draft ids, draft config) of a saved draft, read from its d2t."""
+    from safetensors import safe_open
+    from model import WEIGHTS_NAME, read_config
+    if not os.path.isdir(path):
+        raise UserError(f"--vocab-from {path}: no such directory (expected a saved draft)")
+    cfg = read_config(path)
+    if cfg.vocab_size != V:
+        raise UserError(f"--vocab-from {path}: a draft for a {cfg.vocab_size}-token vocabulary; "
+                        f"the target has {V}")
+    f = os.path.join(path, WEIGHTS_NAME)
+    try:
+        with safe_open(f, "pt") as sf:
+            d2t = sf.get_tensor("d2t").long()
+    except Exception as e:  # missing file, not safetensors, no d2t tensor
+        raise UserError(f"{f}: expected the draft's safetensors with a d2t tensor ({e})")
+    ids = torch.arange(d2t.numel()) + d2t
+    if d2t.numel() != cfg.draft_vocab_size or not bool((ids[1:] > ids[:-1]).all()) \
+            or int(ids[0]) < 0 or int(ids[-1]) >= V:
+        raise UserError(f"{f}: d2t does not give {cfg.draft_vocab_size} ascending target ids")
+    return ids, cfg
 
 
 def coverage_at(counts, sizes):
@@ -411,6 +437,9 @@ def parse_args(argv=None):
                     help="draft vocabulary size (default: min(32000, target vocab))")
     ap.add_argument("--fill-vocab", action="store_true",
                     help="allow a draft vocab larger than the distinct tokens seen")
+    ap.add_argument("--vocab-from", metavar="DRAFT",
+                    help="use this saved draft's vocabulary (and layers), to continue training it "
+                         "on this data with train.py --init")
     ap.add_argument("--hidden-states", action="store_true", help="also write hidden-state shards")
     ap.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--shard-size", type=int, default=64, help="sequences per shard")
@@ -474,6 +503,17 @@ def main(argv=None):
     Vd = args.draft_vocab_size or min(32000, V)
     if not 0 < Vd <= V:
         raise UserError(f"--draft-vocab-size {Vd}: expected 1..{V} (the target vocabulary)")
+    keep_ids = None
+    if args.vocab_from:   # continue an existing draft (train.py --init): its vocabulary and layers
+        keep_ids, dcfg = draft_vocab_of(args.vocab_from, V)
+        if args.draft_vocab_size not in (None, keep_ids.numel()):
+            raise UserError(f"--draft-vocab-size {args.draft_vocab_size}: --vocab-from "
+                            f"{args.vocab_from} has {keep_ids.numel()}; give one of them")
+        Vd = keep_ids.numel()
+        if args.aux_layers and list(args.aux_layers) != list(dcfg.aux_layer_ids):
+            raise UserError(f"--aux-layers {list(args.aux_layers)}: --vocab-from "
+                            f"{args.vocab_from} reads layers {list(dcfg.aux_layer_ids)}")
+        args.aux_layers = list(dcfg.aux_layer_ids)
     layer_ids = list(args.aux_layers) if args.aux_layers else default_aux_layers(L)
     if not all(0 <= i < L - 1 for i in layer_ids):
         raise UserError(f"--aux-layers {layer_ids}: expected three ids in [0, {L - 2}] for a "
@@ -587,7 +627,7 @@ def main(argv=None):
         raise UserError(f"no sequence keeps an assistant token within --max-length {args.max_length}")
 
     # --- 4. draft vocabulary (checked before anything of steps 3-5 is written)
-    vocab, coverage = build_vocab(sequences, V, Vd, args.fill_vocab)
+    vocab, coverage = build_vocab(sequences, V, Vd, args.fill_vocab, keep_ids)
     atomic_write_jsonl(os.path.join(out, SEQUENCES), sequences)
     from safetensors.torch import save_file
     atomic_write(os.path.join(out, VOCAB), lambda tmp: save_file(vocab, tmp))

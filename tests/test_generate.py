@@ -596,6 +596,36 @@ def test_cli_user_mistakes(tmp_path, tiny_dir, smol_tok):
         run_cli(tiny_dir, tmp_path / "junk", prompts)
 
 
+def test_vocab_from_takes_a_drafts_vocabulary_and_layers(tmp_path, tiny_dir):
+    """--vocab-from DRAFT: the data's vocabulary is that draft's (ids the data never saw included)
+    and its layers are the draft's, which is what train.py --init checks; counts stay the data's."""
+    from model import Eagle3Draft, config_from_target
+    from common import load_config
+    tcfg = load_config(tiny_dir)
+    cfg = config_from_target(tcfg, draft_vocab_size=40, aux_layer_ids=[0, 2, 5])
+    d = Eagle3Draft(cfg, torch.zeros(tcfg.vocab_size, tcfg.hidden_size))
+    ids = torch.arange(40) * 1000 + 7            # ids the 5-token answers will not all contain
+    d.set_vocab(ids)
+    d.save_pretrained(str(tmp_path / "draft"))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Question {i}?"} for i in range(3)])
+    run_cli(tiny_dir, tmp_path / "out", prompts, "--vocab-from", str(tmp_path / "draft"),
+            "--temperature", "0")
+    manifest, seqs, vocab = dataset.load_dataset_dir(str(tmp_path / "out"))
+    assert torch.equal(vocab["draft_ids"], ids) and torch.equal(vocab["d2t"], ids - torch.arange(40))
+    assert int(vocab["t2d"].sum()) == 40 and bool(vocab["t2d"][ids].all())
+    assert manifest["aux_layer_ids"] == [0, 2, 5] and manifest["draft_vocab_size"] == 40
+    assert int(vocab["counts"].sum()) == manifest["num_loss_tokens"]
+    with pytest.raises(UserError, match="--draft-vocab-size 30: --vocab-from"):
+        generate.main(["--target", tiny_dir, "--prompts", prompts, "--out", str(tmp_path / "o1"),
+                       "--vocab-from", str(tmp_path / "draft"), "--draft-vocab-size", "30"])
+    with pytest.raises(UserError, match="--vocab-from .*nowhere: no such directory"):
+        run_cli(tiny_dir, tmp_path / "o2", prompts, "--vocab-from", str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="--aux-layers \\[1, 2, 3\\]: --vocab-from"):
+        run_cli(tiny_dir, tmp_path / "o3", prompts, "--vocab-from", str(tmp_path / "draft"),
+                "--aux-layers", "1", "2", "3")
+    assert not any(os.path.exists(tmp_path / o) for o in ("o1", "o2", "o3"))
+
+
 def test_cli_bad_json_line_is_one_error_line(tmp_path, tiny_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "fine"}, "{oops"])
     r = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--target", tiny_dir,
