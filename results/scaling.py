@@ -4,7 +4,8 @@ turns) against training tokens, with a log-linear fit: how many training tokens 
 would take at the rate these runs learn.
 
     python results/scaling.py --curve drafts/smollm2-135m-eagle3-6k/accept_curve.json \
-        --point drafts/smollm2-135m-eagle3-mt/mtbench8.json
+        --point results/mt-run/step-683/mtbench8.json --point results/mt-run/mtbench8.json \
+        --point drafts/smollm2-135m-eagle3-8k/mtbench8.json
 
 --curve: tests/bench_accept_curve.py output (every checkpoint of a run).
 --point: bench.py output for one draft with `training.json` (its training tokens) beside it.
