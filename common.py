@@ -192,12 +192,12 @@ def pack_linears(model):
     4-row product with SmolLM2's lm_head took 1.8x a 1-row one, far below memory bandwidth), and a
     single row barely gains from a second thread (10.4 -> 9.5 ms). On this 2-core CPU a 4-token
     verify cost 1.6x a 1-token decode step in fp32, which kept the fp32 speculative loop slower
-    than plain decoding. Prepacked
-    (measured, 1 thread, whole model, 200-token prefix): fp32 1-token step 55 -> 60 ms (noise
-    level), 4-token verify 88 -> 56 ms; bf16 53 -> 42 and 55 -> 38 ms; lm_head alone on 2 threads,
-    1 row: 9.5 -> 4.1 ms. Per matmul, every row count measured (1 to 512) was as fast or faster.
-    Costs one more copy of the weights in memory. The two ops are torch-internal (torch.ops.mkldnn,
-    present in the pinned 2.13); where they are missing the model is left as it was."""
+    than plain decoding. Prepacked (measured, 1 thread, whole model, 200-token prefix): fp32
+    1-token step 55 -> 60 ms (noise level), 4-token verify 88 -> 56 ms; bf16 53 -> 42 and
+    55 -> 38 ms; lm_head alone on 2 threads, 1 row: 9.5 -> 4.1 ms. Per matmul, every row count
+    measured (1 to 512) was as fast or faster. Costs one more copy of the weights in memory. The
+    two ops are torch-internal (torch.ops.mkldnn, present in the pinned 2.13); where they are
+    missing the model is left as it was."""
     import torch
     mkldnn = getattr(torch.ops, "mkldnn", None)
     if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")

@@ -566,7 +566,7 @@ def main(argv=None):
                      "complete": False})
     atomic_write_text(os.path.join(out, MANIFEST), json.dumps(manifest, indent=2))
 
-    if target is not None:
+    if target is not None and args.regenerate:
         pack_linears(target)  # synthesis and regeneration decode: faster small matmuls (common.py)
 
     # --- 1. prompts

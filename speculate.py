@@ -428,7 +428,8 @@ DEFAULT_PROMPTS = [
 
 
 def main():
-    from common import chat_prompt_ids, load_target, pack_linears, parse_dtype, read_prompts, stop_token_ids
+    from common import (chat_prompt_ids, load_target, pack_linears, parse_dtype, read_prompts,
+                        stop_token_ids)
     from model import load_draft_for
     ap = argparse.ArgumentParser(description="EAGLE-3 draft-verify decoding in plain PyTorch.")
     ap.add_argument("--draft", required=True, help="draft directory (config.json + model.safetensors)")
