@@ -209,7 +209,7 @@ def pack_linears(model):
                 or w.dtype not in (torch.float32, torch.bfloat16)):
             continue
         packed = mkldnn._reorder_linear_weight(w.detach())
-        mod.forward = functools.partial(_packed_linear, packed, w, mod.bias)
+        mod.forward = functools.partial(_packed_linear, torch, packed, w, mod.bias)
     return model
 
 
@@ -222,11 +222,10 @@ def unpack_linears(model):
     return model
 
 
-def _packed_linear(packed, weight, bias, x):
-    import torch
-    import torch.nn.functional as F
+def _packed_linear(torch, packed, weight, bias, x):
+    # (torch is bound in by pack_linears: common.py imports it lazily, and this runs per matmul)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return F.linear(x, weight, bias)  # the packed kernel has no backward
+        return torch.nn.functional.linear(x, weight, bias)  # the packed kernel has no backward
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 

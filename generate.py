@@ -368,7 +368,7 @@ def build_vocab(sequences, V, Vd, fill=False, keep_ids=None):
 def draft_vocab_of(path, V):
     """--vocab-from DIR: (draft ids, draft config) of a saved draft, read from its d2t."""
     from safetensors import safe_open
-    from model import WEIGHTS_NAME, read_config
+    from model import WEIGHTS_NAME, check_draft_ids, read_config
     if not os.path.isdir(path):
         raise UserError(f"--vocab-from {path}: no such directory (expected a saved draft)")
     cfg = read_config(path)
@@ -382,9 +382,7 @@ def draft_vocab_of(path, V):
     except Exception as e:  # missing file, not safetensors, no d2t tensor
         raise UserError(f"{f}: expected the draft's safetensors with a d2t tensor ({e})")
     ids = torch.arange(d2t.numel()) + d2t
-    if d2t.numel() != cfg.draft_vocab_size or not bool((ids[1:] > ids[:-1]).all()) \
-            or int(ids[0]) < 0 or int(ids[-1]) >= V:
-        raise UserError(f"{f}: d2t does not give {cfg.draft_vocab_size} ascending target ids")
+    check_draft_ids(ids, cfg.draft_vocab_size, V, f"{f}: d2t")
     return ids, cfg
 
 

@@ -432,8 +432,7 @@ class Eagle3Draft(nn.Module):
         """draft_to_target: the Vd target ids of the draft vocabulary, sorted ascending."""
         ids = torch.as_tensor(draft_to_target, dtype=torch.long)
         Vd, V = self.config.draft_vocab_size, self.config.vocab_size
-        if ids.numel() != Vd or not bool((ids[1:] > ids[:-1]).all()) or ids.min() < 0 or ids.max() >= V:
-            raise UserError(f"draft vocabulary must be {Vd} distinct ascending ids in [0, {V})")
+        check_draft_ids(ids, Vd, V, "draft vocabulary")
         self.d2t.copy_(ids - torch.arange(Vd))
         self.t2d.zero_()
         self.t2d[ids] = True
@@ -518,6 +517,12 @@ class Eagle3Draft(nn.Module):
         if dtype is not None:
             model.to(dtype)
         return model.eval()
+
+
+def check_draft_ids(ids, Vd, V, where):
+    """The draft vocabulary is Vd distinct target ids, ascending (d2t[i] = ids[i] - i >= 0)."""
+    if ids.numel() != Vd or not bool((ids[1:] > ids[:-1]).all()) or ids.min() < 0 or ids.max() >= V:
+        raise UserError(f"{where}: expected {Vd} distinct ascending ids in [0, {V})")
 
 
 def read_config(path):
