@@ -59,6 +59,7 @@ PEER_LOOKUP = "hf-prompt-lookup"
 class Item:
     turns: list          # user messages, asked one after another
     context: list = ()   # messages before the first turn (from a user JSONL)
+    category: str = None  # MT-Bench's question category (writing, extraction, ...)
 
 
 # The wheels, by the name to find_spec (never import: their dependencies are not installed).
@@ -93,7 +94,8 @@ def load_benchmark(name):
     """All items of a benchmark: 'mtbench', 'humaneval' or a JSONL file of prompts/conversations."""
     if name == "mtbench":
         with open(wheel_file(name)) as f:
-            return [Item(turns=list(json.loads(line)["turns"])) for line in f if line.strip()]
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [Item(turns=list(r["turns"]), category=r.get("category")) for r in rows]
     if name == "humaneval":
         with gzip.open(wheel_file(name), "rt") as f:
             return [Item(turns=[HUMANEVAL_REQUEST.format(prompt=json.loads(line)["prompt"])])
@@ -275,7 +277,8 @@ def run_torch(args, benches, configs, target, tok, draft, stop):
                         gen = torch.Generator(device=target.device).manual_seed(
                             args.seed + 1000 * qi + 100 * turn + rep)
                         toks, rec = r.run(ids, gen, args.max_new_tokens)
-                        rec.update(item=qi, turn=turn, repeat=rep, new_tokens=len(toks))
+                        rec.update(item=qi, turn=turn, repeat=rep, new_tokens=len(toks),
+                                   category=item.category)
                         got[r.name] = (toks, rec)
                         bar.update(1)
                     base_toks, base = got[BASELINE]
@@ -308,9 +311,19 @@ def summarise_torch(records, runner):
         "speedup": statistics.median(r["speedup"] for r in records),
         "mismatches": (None if records[0]["match"] is None
                        else sum(not r["match"] for r in records)),
-        "per_prompt": [{k: r[k] for k in ("item", "turn", "repeat", "new_tokens", "time",
-                                          "speedup", "verified", "rounds")} for r in records],
+        "per_prompt": [{k: r[k] for k in ("item", "turn", "repeat", "category", "new_tokens",
+                                          "time", "speedup", "verified", "rounds")}
+                       for r in records],
     }
+    cats = list(dict.fromkeys(r["category"] for r in records if r["category"]))
+    if cats:   # MT-Bench: where the draft (or lookup) does well and where it does not
+        entry["by_category"] = {}
+        for c in cats:
+            rs = [r for r in records if r["category"] == c]
+            rounds_c = max(sum(r["rounds"] for r in rs), 1)
+            entry["by_category"][c] = {
+                "accept_length": sum(r["verified"] for r in rs) / rounds_c,
+                "speedup": statistics.median(r["speedup"] for r in rs)}
     if runner.kind == "eagle3":
         # share of verify rounds that accepted at least j+1 drafted tokens
         acc = [a for r in records for a in r["accepted"]]
@@ -450,7 +463,19 @@ def format_table(entries):
                      "-" if e["mismatches"] is None else str(e["mismatches"])])
     width = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, width)).rstrip()
-    return "\n".join([line(cols), line(["-" * w for w in width])] + [line(r) for r in rows])
+    table = [line(cols), line(["-" * w for w in width])] + [line(r) for r in rows]
+    cats = [e for e in entries
+            if e.get("by_category") and e["config"] not in (BASELINE, PEER_GENERATE)]
+    if cats:   # MT-Bench: accept length by question category, one row per runner that drafts
+        names = list(cats[0]["by_category"])
+        sub = [["benchmark", "config"] + names] + [
+            [e["benchmark"], e["config"]] + [f"{e['by_category'][n]['accept_length']:.2f}"
+                                             if n in e["by_category"] else "-" for n in names]
+            for e in cats]
+        w2 = [max(len(x) for x in col) for col in zip(*sub)]
+        table += ["", "accept length by category"]
+        table += ["  ".join(x.ljust(w) for x, w in zip(r, w2)).rstrip() for r in sub]
+    return "\n".join(table)
 
 
 def plot(entries, path):

