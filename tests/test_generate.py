@@ -664,3 +664,44 @@ def test_load_dataset_dir_errors(tmp_path):
         dataset.load_dataset_dir(str(d))
     with pytest.raises(UserError, match="shard missing"):
         hidden.read_hidden_shard(str(d / "hidden" / "shard-00000.safetensors"), 0)
+
+
+def test_text_tasks_hand_the_target_its_own_text(tmp_path):
+    """text_tasks.py: prompts built from earlier answers (whole sentences, or a code block), in
+    the format generate.py --prompts reads, with every answer a hole to regenerate."""
+    import text_tasks
+    from common import read_conversations
+    long = " ".join(f"Sentence {i} says something about topic {i}." for i in range(12))
+    cut = long.replace("Sentence", "Line") + " And this last one was cut off in the mid"
+    code = "Here you go:\n```python\ndef f(x):\n    y = x + 1\n    z = y * 2\n    return z\n```"
+    src = write_jsonl(tmp_path / "src.jsonl", [
+        {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": long}]},
+        {"messages": [{"role": "user", "content": "q2"},
+                      {"role": "assistant", "content": cut, "truncated": True}]},
+        {"messages": [{"role": "user", "content": "q3"}, {"role": "assistant", "content": code}]},
+        {"messages": [{"role": "user", "content": "q4"}, {"role": "assistant", "content": "Too short."}]},
+    ])
+    out = tmp_path / "tasks.jsonl"
+    text_tasks.main(["--source", src, "--n", "10", "--seed", "3", "--out", str(out)])
+    convs, bad = read_conversations(str(out))
+    assert bad == 0 and len(convs) == 3        # one per usable answer, the short one skipped
+    for c in convs:
+        first = c[0]["content"]
+        assert c[0]["role"] == "user" and any(t in first for t in ("Sentence 0", "Line 0", "def f(x):"))
+        assert "cut off in the mid" not in first  # a truncated answer loses its unfinished tail
+        assert [m["role"] for m in c] in (["user"], ["user", "assistant", "user"])
+        # every assistant turn becomes a hole the target fills; follow-ups are kept as asked
+        sk = generate.skeleton(c)
+        assert sk[1] is None and sk[-1] is None and len(sk) == len(c) + (c[-1]["role"] == "user")
+    # deterministic for a seed
+    again = tmp_path / "again.jsonl"
+    text_tasks.main(["--source", src, "--n", "10", "--seed", "3", "--out", str(again)])
+    assert again.read_text() == out.read_text()
+    # a source with nothing to work on is a one-line error, and nothing is written
+    short = write_jsonl(tmp_path / "short.jsonl", [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Too short."}]}])
+    with pytest.raises(UserError, match="--source .*no assistant answer"):
+        text_tasks.main(["--source", short, "--n", "5", "--out", str(tmp_path / "none.jsonl")])
+    assert not os.path.exists(tmp_path / "none.jsonl")
+    with pytest.raises(UserError, match="--source .*no such file"):
+        text_tasks.main(["--source", str(tmp_path / "nope.jsonl"), "--n", "5", "--out", str(out)])
