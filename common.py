@@ -375,11 +375,11 @@ def parse_conversation(obj):
     return msgs
 
 
-def read_conversations(path, skip_bad=False, flag="--prompts"):
+def read_conversations(path, skip_bad=False):
     """Conversations from a JSONL file. A bad line is an error naming file:line, or with
     skip_bad it is skipped and counted. Returns (conversations, number skipped)."""
     if not os.path.exists(path):
-        raise UserError(f"{flag} {path}: no such file")
+        raise UserError(f"--prompts {path}: no such file")
     convs, bad = [], 0
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
@@ -397,7 +397,7 @@ def read_conversations(path, skip_bad=False, flag="--prompts"):
                     raise UserError(f"{path}:{n}: {e}; --skip-bad skips such lines")
                 bad += 1
     if not convs:
-        raise UserError(f"{flag} {path}: file holds no usable conversations")
+        raise UserError(f"--prompts {path}: file holds no usable conversations")
     return convs, bad
 
 
