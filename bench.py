@@ -364,40 +364,48 @@ def run_sglang(args, benches, configs, tok, stop, target_dir):
     answers = {}    # (benchmark, item) -> answers to earlier turns, from the first config run
     reference = {}  # (benchmark, item, turn) -> first config's text, for greedy mismatches
     results = {}
-    log_dir = tempfile.mkdtemp(prefix="bench-sglang-")
-    for cfg in order:
-        if args.skip_launch_server:
-            if not sge.healthy(base_url):
-                raise UserError(f"--skip-launch-server: no healthy server at {base_url}/health")
-            server = contextlib.nullcontext()
-        else:
-            cmd = sge.server_command(target_dir, args.draft and os.path.abspath(args.draft), cfg,
-                                 args.host, args.port, dtype, args.server_args.split())
-            print(f"launching: {' '.join(cmd)}", file=sys.stderr)
-            server = sge.launched_server(cmd, base_url, args.server_timeout,
-                                     os.path.join(log_dir, f"server-{cfg.label}.log"))
-        with server:
-            sge.generate(base_url, chat_prompt_ids(tok, "Hi"), dict(sampling, max_new_tokens=4))
-            for label, items in tqdm(benches, desc=f"sglang {cfg.label}", file=sys.stderr):
-                metas, walls, mismatches = [], 0.0, 0
-                for turn in range(max(len(it.turns) for it in items)):
-                    todo = [qi for qi, it in enumerate(items) if turn < len(it.turns)]
-                    prompts = [chat_prompt_ids(tok, conversation(
-                        items[qi], turn, answers.get((label, qi), []))) for qi in todo]
-                    texts, m, wall = send_all(base_url, prompts, cfg.batch_size, sampling)
-                    metas += m
-                    walls += wall
-                    for qi, text in zip(todo, texts):
-                        key = (label, qi, turn)
-                        if key not in reference:
-                            reference[key] = text
-                            answers.setdefault((label, qi), []).append(text)
-                        mismatches += text != reference[key]
-                entry = sge.metrics(metas, walls)
-                entry.update(prompts=len(metas), runs=len(metas), position_acceptance=None,
-                             mismatches=mismatches if args.temperature == 0 else None)
-                results.setdefault(label, {})[cfg.label] = entry
-    shutil.rmtree(log_dir)   # kept only when something failed: the error names the log
+    log_dir = None if args.skip_launch_server else tempfile.mkdtemp(prefix="bench-sglang-")
+    try:
+        for cfg in order:
+            if args.skip_launch_server:
+                if not sge.healthy(base_url):
+                    raise UserError(f"--skip-launch-server: no healthy server at {base_url}/health")
+                server = contextlib.nullcontext()
+            else:
+                draft = args.draft and os.path.abspath(args.draft)
+                cmd = sge.server_command(target_dir, draft, cfg, args.host, args.port, dtype,
+                                         args.server_args.split())
+                print(f"launching: {' '.join(cmd)}", file=sys.stderr)
+                server = sge.launched_server(cmd, base_url, args.server_timeout,
+                                         os.path.join(log_dir, f"server-{cfg.label}.log"))
+            with server:
+                sge.generate(base_url, chat_prompt_ids(tok, "Hi"), dict(sampling, max_new_tokens=4))
+                for label, items in tqdm(benches, desc=f"sglang {cfg.label}", file=sys.stderr):
+                    metas, walls, mismatches = [], 0.0, 0
+                    for turn in range(max(len(it.turns) for it in items)):
+                        todo = [qi for qi, it in enumerate(items) if turn < len(it.turns)]
+                        prompts = [chat_prompt_ids(tok, conversation(
+                            items[qi], turn, answers.get((label, qi), []))) for qi in todo]
+                        texts, m, wall = send_all(base_url, prompts, cfg.batch_size, sampling)
+                        metas += m
+                        walls += wall
+                        for qi, text in zip(todo, texts):
+                            key = (label, qi, turn)
+                            if key not in reference:
+                                reference[key] = text
+                                answers.setdefault((label, qi), []).append(text)
+                            mismatches += text != reference[key]
+                    entry = sge.metrics(metas, walls)
+                    entry.update(prompts=len(metas), runs=len(metas), position_acceptance=None,
+                                 mismatches=mismatches if args.temperature == 0 else None)
+                    results.setdefault(label, {})[cfg.label] = entry
+    except BaseException as e:
+        # a server that failed to start keeps its log (the error names it); nothing else stays
+        if log_dir and log_dir not in str(e):
+            shutil.rmtree(log_dir)
+        raise
+    if log_dir:
+        shutil.rmtree(log_dir)
     # Speedup: throughput over plain decoding at the same batch size, when that config ran.
     for per_cfg in results.values():
         for c in configs:
