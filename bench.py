@@ -438,8 +438,14 @@ def model_identity(path):
 
 
 def machine_info(device):
+    """What a figure was measured on: the CPU model and the flags that decide its speed (bf16 is
+    fast only with avx512_bf16 / amx_bf16: README, *Which dtype*), cores and threads."""
     import torch
-    info = {"platform": platform.platform(), "processor": platform.processor() or None,
+    from common import SPEED_FLAGS, cpu_flags, cpu_name, machine_summary
+    flags = cpu_flags()
+    info = {"summary": machine_summary(flags), "cpu": cpu_name(),
+            "cpu_flags": {f: f in flags for f in SPEED_FLAGS},
+            "platform": platform.platform(), "processor": platform.processor() or None,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(device)}
     if str(device).startswith("cuda") and torch.cuda.is_available():
@@ -553,7 +559,9 @@ def parse_args(argv=None):
     ap.add_argument("--config-list", nargs="+", default=[BASELINE, "1,3,1,4", "1,5,4,8"],
                     help="batch_size,num_steps,topk,num_draft_tokens; 1,0,0,0 = plain decoding")
     ap.add_argument("--backend", default="torch", choices=["torch", "sglang"])
-    ap.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto (bf16 where the device computes it natively, else fp32) | float32 | "
+                         "bfloat16")
     ap.add_argument("--device", default=None, help="torch backend: cpu or cuda (default: cuda if "
                     "available)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -594,8 +602,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from common import parse_dtype
-    dtype = parse_dtype(args.dtype)
+    import torch
+    from common import machine_summary, resolve_dtype
+    dtype, why = resolve_dtype(args.dtype, args.device or ("cuda" if torch.cuda.is_available()
+                                                           else "cpu"))
+    print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
 
     # Everything a user can get wrong is checked before any model is loaded.
     configs = list(dict.fromkeys(parse_config(c) for c in args.config_list))
@@ -628,7 +639,6 @@ def main(argv=None):
             raise UserError(f"--benchmark-list: {label} has no prompts")
 
     from common import stop_token_ids
-    import torch
     if args.backend == "torch":
         from common import load_target, pack_linears
         from model import load_draft_for

@@ -181,6 +181,113 @@ def load_target(target=DEFAULT_TARGET, dtype="float32", device="cpu", trust_remo
     return model, tok
 
 
+def cpu_flags():
+    """The CPU's feature flags as a set (Linux /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):  # x86 / ARM spelling
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_name():
+    """The CPU's model name ('AMD EPYC', 'Intel(R) Xeon(R) Platinum 8481C', ...) or None."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+# The flags that decide CPU speed here: avx512_bf16 / amx_bf16 give native bf16 dot products
+# (vdpbf16ps / AMX tiles); without them a bf16 matmul converts to fp32 and back around an fp32
+# kernel, and oneDNN's bf16 weight prepack refuses to run at all (it needs avx512bw/vl/dq or
+# avx_ne_convert).
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def machine_summary(flags=None):
+    """One line naming the machine a figure came from: CPU, the speed flags it has, cores, threads."""
+    import torch
+    flags = cpu_flags() if flags is None else flags
+    have = [f for f in SPEED_FLAGS if f in flags]
+    return (f"{cpu_name() or 'unknown CPU'} ({' '.join(have) or 'none of ' + '/'.join(SPEED_FLAGS)}), "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
+
+
+def native_bf16(device="cpu", flags=None):
+    """(True/False, why): does this device compute bf16 natively, i.e. is bf16 the faster dtype?
+    Measured (README, *Which dtype*): on an AVX2-only CPU bf16 made speculation slower than plain
+    decoding (chain 0.76x, tree 0.56x) while fp32 gave 1.40x; with avx512_bf16 bf16 is ~1.5x faster
+    than fp32 per verify. `flags` is injectable so both branches are testable on any machine."""
+    import torch
+    dev = str(device)
+    if dev.startswith("cuda"):
+        return True, "CUDA device"
+    if dev != "cpu" and not dev.startswith("cpu:"):
+        return False, f"device {dev}: native bf16 not measured"
+    flags = cpu_flags() if flags is None else flags
+    have = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if have:
+        return True, f"CPU has {'/'.join(have)}"
+    return False, f"CPU has no {'/'.join(NATIVE_BF16_FLAGS)}"
+
+
+def resolve_dtype(name, device="cpu", flags=None):
+    """--dtype NAME -> (torch dtype, why). 'auto' picks bf16 where the device computes it natively,
+    fp32 elsewhere; an explicit bf16/fp16 on a CPU without native bf16 runs, and says once that it
+    will be slow. `why` goes in the script's first status line."""
+    import torch
+    if name == "auto":
+        ok, why = native_bf16(device, flags)
+        return (torch.bfloat16, f"auto: bfloat16 ({why})") if ok else \
+            (torch.float32, f"auto: float32 ({why}; bf16 would be slower)")
+    dtype = parse_dtype(name)
+    if dtype != torch.float32 and not native_bf16(device, flags)[0]:
+        why = native_bf16(device, flags)[1]
+        print(f"warning: --dtype {name}: {why}, so it runs, but slower than float32 here "
+              f"(--dtype auto picks the faster one)", file=sys.stderr)
+        return dtype, f"{name} (asked; {why}: slow)"
+    return dtype, f"{name} (asked)"
+
+
+_PACK_WORKS = {}  # (dtype, device type) -> bool, filled once by packed_linear_works
+
+
+def packed_linear_works(dtype, device="cpu"):
+    """Does oneDNN's prepacked linear run here, and give F.linear's answer? A tiny probe, run
+    once per (dtype, device) and cached. On CPUs without AVX-512 (AVX2-only: most laptops, AMD
+    Zen 2-4, Intel consumer chips) the bf16 reorder raises `mkldnn_reorder_linear_weight: bf16
+    path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq`; fp32 works
+    everywhere oneDNN does."""
+    import torch
+    key = (dtype, torch.device(device).type)
+    if key not in _PACK_WORKS:
+        mkldnn = getattr(torch.ops, "mkldnn", None)
+        ok = (key[1] == "cpu" and torch.backends.mkldnn.is_available()
+              and hasattr(mkldnn, "_linear_pointwise") and hasattr(mkldnn, "_reorder_linear_weight"))
+        if ok:
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(24, 16, generator=g).to(dtype)
+            x = torch.randn(3, 16, generator=g).to(dtype)
+            try:
+                y = mkldnn._linear_pointwise(x, mkldnn._reorder_linear_weight(w), None, "none", [], "")
+                ok = torch.allclose(y.float(), torch.nn.functional.linear(x, w).float(),
+                                    rtol=2e-2, atol=2e-2)
+            except RuntimeError:
+                ok = False
+        _PACK_WORKS[key] = ok
+    return _PACK_WORKS[key]
+
+
 def pack_linears(model):
     """Frozen model on CPU, for decoding: every nn.Linear multiplies by a copy of its weight
     prepacked once in oneDNN's blocked layout (the kernel torch.compile's CPU "freezing" path
@@ -196,17 +303,16 @@ def pack_linears(model):
     1-token step 55 -> 60 ms (noise level), 4-token verify 88 -> 56 ms; bf16 53 -> 42 and
     55 -> 38 ms; lm_head alone on 2 threads, 1 row: 9.5 -> 4.1 ms. Per matmul, every row count
     measured (1 to 512) was as fast or faster. Costs one more copy of the weights in memory. The
-    two ops are torch-internal (torch.ops.mkldnn, present in the pinned 2.13); where they are
-    missing the model is left as it was."""
+    two ops are torch-internal (torch.ops.mkldnn, present in the pinned 2.13). Where they are
+    missing, or do not run for this dtype on this CPU (bf16 without AVX-512: packed_linear_works),
+    a layer keeps its plain nn.Linear: nothing here may depend on an ISA the CPU lacks."""
     import torch
-    mkldnn = getattr(torch.ops, "mkldnn", None)
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
-            and hasattr(mkldnn, "_reorder_linear_weight")):
-        return model
+    mkldnn = torch.ops.mkldnn
     for mod in model.modules():
         w = getattr(mod, "weight", None)
         if (type(mod) is not torch.nn.Linear or w.device.type != "cpu"
-                or w.dtype not in (torch.float32, torch.bfloat16)):
+                or w.dtype not in (torch.float32, torch.bfloat16)
+                or not packed_linear_works(w.dtype, w.device)):
             continue
         packed = mkldnn._reorder_linear_weight(w.detach())
         mod.forward = functools.partial(_packed_linear, torch, packed, w, mod.bias)
@@ -300,7 +406,7 @@ def parse_dtype(name):
     if isinstance(name, torch.dtype):
         return name
     if name not in table:
-        raise UserError(f"--dtype {name}: expected one of float32, bfloat16, float16")
+        raise UserError(f"--dtype {name}: expected one of auto, float32, bfloat16, float16")
     return table[name]
 
 

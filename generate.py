@@ -443,7 +443,9 @@ def parse_args(argv=None):
     ap.add_argument("--shard-size", type=int, default=64, help="sequences per shard")
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
                     help="target decoder layers to capture (default 1, L//2-1, L-4)")
-    ap.add_argument("--dtype", default="bfloat16", help="target dtype for the hf backend")
+    ap.add_argument("--dtype", default="auto",
+                    help="target dtype: auto (bf16 where the device computes it natively, else "
+                         "fp32) | float32 | bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return ap.parse_args(argv)
 
@@ -479,13 +481,17 @@ def check_args(args):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    from common import load_target, pack_linears, parse_dtype, resolve_target, unpack_linears
+    from common import (load_target, machine_summary, pack_linears, resolve_dtype, resolve_target,
+                        unpack_linears)
+    dtype, why = resolve_dtype(args.dtype, args.device)
+    args.dtype = str(dtype).replace("torch.", "")  # the resolved name: recorded with the data
+    print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
     from model import default_aux_layers
 
     # --- everything that can go wrong with the user's input is checked before writing anything
     need_hf_model = args.backend == "hf" and (args.regenerate or args.hidden_states or args.synthesize)
     if need_hf_model:
-        target, tok = load_target(args.target, dtype=parse_dtype(args.dtype), device=args.device,
+        target, tok = load_target(args.target, dtype=dtype, device=args.device,
                                   trust_remote_code=args.trust_remote_code)
         tcfg = target.config
     else:

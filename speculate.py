@@ -428,8 +428,8 @@ DEFAULT_PROMPTS = [
 
 
 def main():
-    from common import (chat_prompt_ids, load_target, pack_linears, parse_dtype, read_prompts,
-                        stop_token_ids)
+    from common import (chat_prompt_ids, load_target, machine_summary, pack_linears, read_prompts,
+                        resolve_dtype, stop_token_ids)
     from model import load_draft_for
     ap = argparse.ArgumentParser(description="EAGLE-3 draft-verify decoding in plain PyTorch.")
     ap.add_argument("--draft", required=True, help="draft directory (config.json + model.safetensors)")
@@ -446,7 +446,9 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16")
+    ap.add_argument("--dtype", default="auto",
+                    help="auto (bf16 where the device computes it natively, else fp32; fp32 with "
+                         "--check) | float32 | bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
@@ -470,7 +472,12 @@ def main():
         if args.threads < 1:
             raise UserError(f"--threads {args.threads}: expected >= 1")
         torch.set_num_threads(args.threads)
-    dtype = parse_dtype(args.dtype)
+    if args.check and args.dtype == "auto":  # the proof is exact in fp32 only (see divergence)
+        dtype, why = torch.float32, "auto: float32 (--check proves losslessness in float32)"
+    else:
+        dtype, why = resolve_dtype(args.dtype, args.device)
+    args.dtype = str(dtype).replace("torch.", "")
+    print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
     from model import read_config
     check_spec_args(args.steps, args.topk, args.num_draft_tokens,
                     read_config(args.draft).draft_vocab_size)

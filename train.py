@@ -248,8 +248,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=float, default=0.015, help="warmup share of the steps")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--grad-clip", type=float, default=0.5)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="autocast dtype of the draft's compute; weights stay fp32")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="autocast dtype of the draft's compute (auto: bf16 where the device "
+                         "computes it natively, else fp32); weights stay fp32")
     ap.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -261,7 +262,8 @@ def parse_args(argv=None):
     ap.add_argument("--stop-at", type=int, default=None,
                     help="save and stop at this step without changing the schedule (a planned break)")
     # online producer
-    ap.add_argument("--target-dtype", default="bfloat16", help="producer's target dtype")
+    ap.add_argument("--target-dtype", default="auto", help="producer's target dtype (auto | float32 "
+                    "| bfloat16)")
     ap.add_argument("--target-backend", default="transformers", choices=["transformers", "sglang"],
                     help="what runs the producer's target (sglang: in-process, sglang_engine.py)")
     ap.add_argument("--hidden-dtype", default="bfloat16",
@@ -323,6 +325,11 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world, device = setup_dist(args.device)
+    from common import machine_summary, resolve_dtype
+    (dt, why), (tdt, twhy) = resolve_dtype(args.dtype, device), resolve_dtype(args.target_dtype, device)
+    args.dtype, args.target_dtype = (str(d).replace("torch.", "") for d in (dt, tdt))
+    if rank == 0:
+        print(f"dtype {why}; target dtype {twhy}; machine: {machine_summary()}", file=sys.stderr)
     if world > 1 and not args.threads:
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
     online = None
