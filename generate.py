@@ -441,8 +441,8 @@ def parse_args(argv=None):
     ap.add_argument("--hidden-states", action="store_true", help="also write hidden-state shards")
     ap.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--shard-size", type=int, default=64, help="sequences per shard")
-    ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
-                    help="target decoder layers to capture (default 1, L//2-1, L-4)")
+    ap.add_argument("--aux-layers", type=int, nargs="+", default=None,
+                    help="target decoder layers to capture (default 1, L//2-1, L-4; two or more)")
     ap.add_argument("--dtype", default="auto",
                     help="target dtype: auto (bf16 where the device computes it natively, else "
                          "fp32) | float32 | bfloat16")
@@ -486,7 +486,7 @@ def main(argv=None):
     dtype, why = resolve_dtype(args.dtype, args.device)
     args.dtype = str(dtype).replace("torch.", "")  # the resolved name: recorded with the data
     print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
-    from model import default_aux_layers
+    from model import check_aux_layers, default_aux_layers
 
     # --- everything that can go wrong with the user's input is checked before writing anything
     need_hf_model = args.backend == "hf" and (args.regenerate or args.hidden_states or args.synthesize)
@@ -519,11 +519,8 @@ def main(argv=None):
                             f"{args.vocab_from} reads layers {list(dcfg.aux_layer_ids)}")
         args.aux_layers = list(dcfg.aux_layer_ids)
     layer_ids = list(args.aux_layers) if args.aux_layers else default_aux_layers(L)
-    if not all(0 <= i < L - 1 for i in layer_ids):
-        raise UserError(f"--aux-layers {layer_ids}: expected three ids in [0, {L - 2}] for a "
-                        f"{L}-layer target")
-    if layer_ids != sorted(set(layer_ids)):  # SGLang captures in ascending order (sglang_engine.py)
-        raise UserError(f"--aux-layers {layer_ids}: expected sorted, distinct ids")
+    # sorted and distinct: SGLang captures in ascending order (sglang_engine.py)
+    check_aux_layers(layer_ids, L, "--aux-layers")
     tok_hash = tokenizer_hash(tok)
     bench = bench_prompts()
 

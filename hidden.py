@@ -4,7 +4,8 @@ in sglang_engine.py, same inputs and outputs), stored by generate.py --hidden-st
 shards, and handed to train.py either read back from those shards (--offline) or computed online by a
 producer process next to the trainer.
 
-Per sequence of T tokens: aux [T, 3*Ht] = the outputs of the three captured decoder layers,
+Per sequence of T tokens: aux [T, 3*Ht] = the outputs of the three captured decoder layers (n*Ht
+for a draft that reads n layers, model.py layouts),
 concatenated in ascending layer order, and final [T, Ht] = the last layer's output after the final
 norm, so the target's logits are lm_head(final) and never need storing.
 
@@ -37,10 +38,9 @@ def target_hidden_states(target, sequences, layer_ids, batch_size=8):
     right padding: pads come after every real token, so causal attention never lets a real token
     see one, and each result is sliced back to its true length. The decoder (target.base_model)
     is called directly, which skips the [B, T, V] logits nobody asked for."""
+    from model import check_aux_layers
     L = target.config.get_text_config().num_hidden_layers
-    if len(layer_ids) != 3 or not all(0 <= i < L - 1 for i in layer_ids):
-        raise UserError(f"aux layer ids {list(layer_ids)} must be three ids in [0, {L - 2}] "
-                        f"for a {L}-layer target (layer L-1's output is only seen final-normed)")
+    check_aux_layers(layer_ids, L, "aux layer ids")
     dev = next(target.parameters()).device
     decoder = target.base_model
     order = sorted(range(len(sequences)), key=lambda k: -len(sequences[k]))
@@ -181,6 +181,20 @@ class Offline:
         pass
 
 
+def exit_with_parent():
+    """A trainer killed by SIGKILL cannot end its producer, which would then block forever on a
+    full queue (or on `release`) holding the target in memory. So the producer watches for the
+    moment it is re-parented (its parent died) and exits."""
+    import threading
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, layer_ids,
                   batch_size, threads, hidden_dtype, trust_remote_code=False,
                   backend="transformers"):
@@ -189,6 +203,7 @@ def producer_main(q, release, target_name, target_dtype, device, seqs, jobs, lay
     so the producer runs at most `prefetch` batches ahead of the trainer. The target runs in
     transformers or in SGLang's ModelRunner (sglang_engine.py): same jobs, same order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and ends us
+    exit_with_parent()
     try:
         torch.set_num_threads(threads)
         from common import load_target, parse_dtype, resolve_target

@@ -20,6 +20,24 @@ when it drafts further: the next step replaces g with h2 and e with the embeddin
 just proposed. The draft vocabulary is a subset S of the target vocabulary (sorted ascending);
 draft id i is target id `i + d2t[i]`, and `t2d[j]` says whether target id j is in S.
 
+Layouts. The above is the default. SGLang 0.5.23's loader (srt/models/llama_eagle3.py) reads four
+more options from the draft's config.json, and so does this file, with the same keys, tensors and
+math (vLLM 0.33.0 reads the same ones; tests/test_sglang_contract.py checks both wheels):
+
+    key (where in config.json)      tensors                   what changes
+    fc_norm (top level)             fc_norm.{i}.weight [Ht]   each captured layer RMS-normed before fc
+    norm_before_fc (eagle_config)   input_norm.weight [n*Ht]  one RMSNorm over the concatenation first
+    norm_output (top level)         -                         the next draft step reads norm(h2), not h2
+    num_hidden_layers N > 1         layers.{i}.* (1 <= i < N) layer 0 reads [e, g] (2H) as above;
+                                                              layer i reads h = the previous output:
+                                                              h + attn(hidden_norm(h)), then its MLP
+    n aux ids (eagle_config)        fc.weight [H, n*Ht]       n captured layers instead of three
+
+With both norms, input_norm runs first (as in both engines). A later layer's pre-attention norm is
+`hidden_norm` in SGLang and `input_layernorm` in vLLM: the checkpoint holds the same tensor under
+both names, so the two engines compute the same draft. Any other key that would change the draft
+(attention_bias, tie_word_embeddings, vLLM's norm_before_residual, ...) is refused, never ignored.
+
 Usage as a script:
     python model.py --target default --out drafts/new [--draft-vocab-size 8192]   # fresh draft
     python model.py drafts/new                                                  # inspect one
@@ -64,6 +82,11 @@ class DraftConfig:
     bos_token_id: int = None
     eos_token_id: object = None
     torch_dtype: str = "bfloat16"
+    # layout options (module docstring), all off = the original one-layer EAGLE-3 draft
+    num_hidden_layers: int = 1
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     def to_sglang_json(self):
         """The config.json that SGLang's LlamaForCausalLMEagle3 loader reads."""
@@ -82,8 +105,16 @@ class DraftConfig:
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],
         }
         for k, v in asdict(self).items():
-            if k != "aux_layer_ids":
+            if k != "aux_layer_ids" and k not in LAYOUT_FLAGS:
                 d[k] = v
+        # layout flags only when on (a default draft's config stays as it always was): fc_norm
+        # and norm_output at the top level, norm_before_fc in eagle_config (both engines read
+        # it there first)
+        for k in ("fc_norm", "norm_output"):
+            if getattr(self, k):
+                d[k] = True
+        if self.norm_before_fc:
+            d["eagle_config"]["norm_before_fc"] = True
         return d
 
     @classmethod
@@ -95,13 +126,90 @@ class DraftConfig:
                 raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of "
                                 f"layer k) and eagle_config's {layers} (SGLang, output of layer i) "
                                 f"name different layers; expected k = i + 1")
+            d = normalize_config_keys(d, where)
             kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "aux_layer_ids"}
             if "head_dim" not in kw:
                 kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
             kw.setdefault("target_hidden_size", d["hidden_size"])
             return cls(aux_layer_ids=list(layers), **kw)
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{where}: not an EAGLE-3 draft config (missing or bad field {e})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Which config.json keys mean what. A key this project does not apply is an error, never ignored:
+# SGLang or vLLM would apply it, so ignoring it would train or decode a different draft.
+
+# The layout options and where each engine reads them (module docstring)
+LAYOUT_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+# Keys that leave the draft's math unchanged (metadata, or options of the target's own config
+# that a draft never uses); read and dropped.
+INERT_KEYS = {"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
+              "initializer_range", "pretraining_tp", "use_cache", "pad_token_id",
+              "attention_dropout", "sliding_window", "max_window_layers", "output_attentions",
+              "output_hidden_states", "return_dict", "target_layer_count",
+              "speculators_metadata"}   # layouts.py: a speculators file's bookkeeping, kept for
+                                        # the way back (verifier name, version, ...)
+# Keys with the one value this draft implements; any other value is refused.
+FIXED_KEYS = {"model_type": "llama", "hidden_act": "silu", "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False, "bias": False, "logit_scale": 1.0,
+              "norm_before_residual": False, "use_sliding_window": False,
+              "quantization_config": None}
+EAGLE_CONFIG_KEYS = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "norm_before_fc"}
+# the rest: DraftConfig's fields, eagle_config, the vLLM copy of the layer ids, and these
+OTHER_KEYS = {"eagle_config", "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states",
+              "use_aux_norm", "rope_parameters", "layer_types"}
+
+
+def normalize_config_keys(d, where):
+    """A config.json dict -> the same dict with every key this project knows in DraftConfig's
+    terms (norm_before_fc taken from eagle_config or the top level as both engines do, fc_norm
+    from its legacy name use_aux_norm, rope_parameters split into rope_theta/rope_scaling), after
+    checking that no key asks for something the draft does not do."""
+    d = dict(d)
+    known = set(DraftConfig.__dataclass_fields__) | INERT_KEYS | set(FIXED_KEYS) | OTHER_KEYS
+    unknown = sorted(set(d) - (known - {"aux_layer_ids"}))
+    if unknown:
+        raise UserError(f"{where}: unknown key {unknown[0]!r}: this project does not apply it "
+                        f"(known layout options: {', '.join(LAYOUT_FLAGS)}, num_hidden_layers)")
+    for k, want in FIXED_KEYS.items():
+        if k in d and d[k] != want:
+            raise UserError(f"{where}: {k} is {d[k]!r}; this draft implements only {want!r}")
+    if any(t != "full_attention" for t in d.get("layer_types") or []):
+        raise UserError(f"{where}: layer_types {d['layer_types']}: only full attention is implemented")
+    eagle = d.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise UserError(f"{where}: eagle_config must be an object, got {eagle!r}")
+    bad = sorted(set(eagle) - EAGLE_CONFIG_KEYS)
+    if bad:
+        raise UserError(f"{where}: unknown eagle_config key {bad[0]!r}: this project does not apply it")
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        raise UserError(f"{where}: eagle_config.use_aux_hidden_state must be true (EAGLE-3 reads "
+                        f"the target's captured layers through fc)")
+    # both engines: eagle_config's norm_before_fc, else the top-level one; fc_norm or use_aux_norm
+    if "norm_before_fc" in eagle:
+        d["norm_before_fc"] = eagle["norm_before_fc"]
+    if "use_aux_norm" in d:
+        d["fc_norm"] = bool(d.get("fc_norm")) or d.pop("use_aux_norm")
+    for k in LAYOUT_FLAGS:
+        if k in d and not isinstance(d[k], bool):
+            raise UserError(f"{where}: {k} must be true or false, got {d[k]!r}")
+    n = d.get("num_hidden_layers", 1)
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise UserError(f"{where}: num_hidden_layers must be a positive integer, got {n!r}")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    na = d.pop("num_aux_hidden_states", None)
+    if na is not None and ids is not None and na != len(ids):
+        raise UserError(f"{where}: num_aux_hidden_states {na} but {len(ids)} "
+                        f"eagle_aux_hidden_state_layer_ids {ids}")
+    # transformers 5 writes RoPE as rope_parameters; older files as rope_theta + rope_scaling
+    rp = d.pop("rope_parameters", None)
+    if isinstance(rp, dict):
+        d.setdefault("rope_theta", rp.get("rope_theta"))
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        d.setdefault("rope_scaling", None if kind == "default" else
+                     {k: v for k, v in rp.items() if k != "rope_theta"})
+    return d
 
 
 def default_aux_layers(num_layers):
@@ -176,34 +284,39 @@ def config_from_target(tcfg, draft_vocab_size=None, aux_layer_ids=None):
 # Fields of an explicit draft config (--draft-config, like SpecForge's --draft-model-config) that
 # may differ from the automatic choice. The rest is fixed by the target and the data.
 SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
+                "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+                "num_hidden_layers") + LAYOUT_FLAGS
 
 
 def apply_draft_config(cfg, path, flag="--draft-config"):
-    """Override cfg's shape with a JSON draft config (e.g. a public draft's config.json). Fields
-    that must agree with the target or data (hidden_size, vocab_size, draft_vocab_size,
-    target_hidden_size, aux layers, one layer, SiLU) are checked, not taken."""
+    """Override cfg's shape and layout with a JSON draft config (e.g. a public draft's
+    config.json). Fields that must agree with the target or data (hidden_size, vocab_size,
+    draft_vocab_size, target_hidden_size, aux layers) are checked, not taken; a key the draft
+    does not apply is an error (normalize_config_keys)."""
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: no such file")
-    d = read_json(path)
-    # transformers 5 writes RoPE as rope_parameters; older files as rope_theta + rope_scaling
-    rp = d.get("rope_parameters")
-    if isinstance(rp, dict):
-        d.setdefault("rope_theta", rp.get("rope_theta"))
-        kind = rp.get("rope_type", rp.get("type", "default"))
-        d.setdefault("rope_scaling", None if kind == "default" else
-                     {k: v for k, v in rp.items() if k != "rope_theta"})
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise UserError(f"{flag} {path}: expected a JSON object")
+    d = normalize_config_keys(raw, f"{flag} {path}")
     fixed = {"hidden_size": cfg.hidden_size, "target_hidden_size": cfg.target_hidden_size,
-             "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
-             "num_hidden_layers": 1, "hidden_act": "silu"}
+             "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size}
     for k, want in fixed.items():
         if k in d and d[k] != want:
             raise UserError(f"{flag} {path}: {k} is {d[k]!r}, but this draft needs {want!r} "
-                            f"(set by the target, the data or the one-layer SiLU draft)")
+                            f"(set by the target or the data)")
     layers = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if layers is not None and list(layers) != list(cfg.aux_layer_ids):
         raise UserError(f"{flag} {path}: eagle_aux_hidden_state_layer_ids {layers} differ from the "
                         f"layers {cfg.aux_layer_ids} this draft reads (--aux-layers / the data)")
+    vllm = d.get("eagle_aux_hidden_state_layer_ids")   # vLLM's copy: input of layer i + 1
+    if vllm is not None and list(vllm) != [i + 1 for i in cfg.aux_layer_ids]:
+        raise UserError(f"{flag} {path}: top-level eagle_aux_hidden_state_layer_ids {vllm} (vLLM: "
+                        f"input of layer k = i + 1) do not name the layers {cfg.aux_layer_ids}")
+    na = raw.get("num_aux_hidden_states")
+    if na is not None and na != len(cfg.aux_layer_ids):
+        raise UserError(f"{flag} {path}: num_aux_hidden_states {na}, but this draft reads "
+                        f"{len(cfg.aux_layer_ids)} layers {cfg.aux_layer_ids}")
     kw = {k: d[k] for k in SHAPE_FIELDS if k in d and (d[k] is not None or k == "rope_scaling")}
     if "head_dim" not in kw and "num_attention_heads" in kw:
         kw["head_dim"] = cfg.hidden_size // kw["num_attention_heads"]
@@ -230,10 +343,19 @@ def check_fits(cfg, tcfg, where="draft"):
         raise UserError(f"{where}: vocab_size {cfg.vocab_size} does not match the target's "
                         f"vocab_size {tcfg.vocab_size}")
     L = tcfg.num_hidden_layers
-    bad = [i for i in cfg.aux_layer_ids if not 0 <= i < L - 1]
-    if len(cfg.aux_layer_ids) != 3 or bad:
-        raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} must be "
-                        f"three layer ids in [0, {L - 2}] for a {L}-layer target")
+    check_aux_layers(cfg.aux_layer_ids, L, f"{where}: eagle_aux_hidden_state_layer_ids")
+
+
+def check_aux_layers(ids, num_layers, where):
+    """Captured layers: at least two (with one, SGLang's width test `hidden.shape[-1] != H` would
+    skip fc when Ht == H), sorted and distinct (SGLang captures in ascending order), each in
+    [0, L-2] (the last layer's output is only seen final-normed)."""
+    L, ids = num_layers, list(ids)
+    if len(ids) < 2 or ids != sorted(set(ids)) or not all(0 <= i < L - 1 for i in ids):
+        raise UserError(f"{where} {ids} must be at least two sorted, distinct layer ids in "
+                        f"[0, {L - 2}] for a {L}-layer target (layer {L - 1}'s output is only "
+                        f"seen final-normed)")
+    return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +415,7 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """A growable key/value buffer for the draft's single layer. `len` rows are valid; cropping is
+    """A growable key/value buffer for one decoder layer. `len` rows are valid; cropping is
     just lowering `len`, so rejecting drafted rows costs nothing."""
 
     def __init__(self, batch, kv_heads, head_dim, dtype, device, capacity=256):
@@ -313,18 +435,35 @@ class KVCache:
         return self.k[:, :, :need], self.v[:, :, :need]
 
 
+class LayerCaches:
+    """One KVCache per decoder layer (num_hidden_layers > 1). `len`, read or set, is every
+    layer's, so callers crop it exactly as they crop a single KVCache."""
+
+    def __init__(self, caches):
+        self.layers = caches
+
+    @property
+    def len(self):
+        return self.layers[0].len
+
+    @len.setter
+    def len(self, n):
+        for c in self.layers:
+            c.len = n
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, in_features):
         super().__init__()
         H, hd = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * H, self.nh * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.q_proj = nn.Linear(in_features, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(in_features, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(in_features, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
 
     def project(self, x, cos, sin):
-        """x [B, T, 2H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], RoPE applied to q and k."""
+        """x [B, T, 2H or H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], RoPE applied to q and k."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
@@ -358,18 +497,25 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    """The one decoder layer. Its names (midlayer.*) are SGLang's."""
+    """Decoder layer `index`. Layer 0 (checkpoint names midlayer.*, SGLang's) reads the token and
+    the feature, [input_layernorm(e), hidden_norm(g)] (2H). A later layer (layers.{index}.*) reads
+    only the previous layer's output h, as hidden_norm(h) (H); SGLang fuses the residual add into
+    that norm, vLLM names the same norm input_layernorm (see Eagle3Draft.export_state_dict)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, index=0):
         super().__init__()
         H = cfg.hidden_size
+        self.first = index == 0
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        if self.first:
+            self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * H if self.first else H)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def attn_input(self, e, g):
+        if not self.first:
+            return self.hidden_norm(g)
         return torch.cat([self.input_layernorm(e), self.hidden_norm(g)], dim=-1)
 
     def finish(self, g, attn_out):
@@ -382,17 +528,20 @@ class MidLayer(nn.Module):
 
 
 def fc_weight_for_features(hidden_size, target_hidden_size, feature_rms, generator=None):
-    """A fresh fc weight [H, 3*Ht] for features of the given scale: feature_rms [3] is the typical
-    per-row RMS of each captured layer. Block i of the columns gets std 1 / (rms_i sqrt(3 Ht)), so
-    each layer adds variance 1/3 and g = fc(aux) starts at RMS ~1, each layer heard equally.
+    """A fresh fc weight [H, n*Ht] for features of the given scale: feature_rms [n] is the typical
+    per-row RMS of each of the n captured layers (as fc sees them, after any fc_norm /
+    norm_before_fc). Block i of the columns gets std 1 / (rms_i sqrt(n Ht)), so each layer adds
+    variance 1/n and g = fc(aux) starts at RMS ~1, each layer heard equally.
     Why: targets' residual streams grow with depth (SmolLM2-135M: RMS ~2.7 / 6.2 / 22.9 at layers
     1 / 14 / 26). With a std-0.02 init fc(aux) starts at RMS ~11, 50x the attention branch (~0.2),
     so h2 = g + attn + mlp is at first a linear read-out of the deepest layer and the decoder
     layer's share must grow ~50x before it counts. Only the init changes, not the format."""
     Ht = target_hidden_size
-    w = torch.empty(hidden_size, 3 * Ht)
-    for i, r in enumerate(torch.as_tensor(feature_rms, dtype=torch.float32).tolist()):
-        w[:, i * Ht:(i + 1) * Ht].normal_(0.0, 1.0 / (r * math.sqrt(3 * Ht)), generator=generator)
+    rms = torch.as_tensor(feature_rms, dtype=torch.float32).tolist()
+    w = torch.empty(hidden_size, len(rms) * Ht)
+    for i, r in enumerate(rms):
+        w[:, i * Ht:(i + 1) * Ht].normal_(0.0, 1.0 / (r * math.sqrt(len(rms) * Ht)),
+                                          generator=generator)
     return w
 
 
@@ -407,8 +556,16 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         if embed_weight is not None:
             self.set_embedding(embed_weight)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        n, Ht = len(cfg.aux_layer_ids), cfg.target_hidden_size
+        # optional norms on the captured features before fc (module docstring: layouts)
+        self.input_norm = RMSNorm(n * Ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList([RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(n)])
+                        if cfg.fc_norm else None)
+        self.fc = nn.Linear(n * Ht, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
+        if cfg.num_hidden_layers > 1:   # keys "1".. give the checkpoint names layers.{i}.*
+            self.layers = nn.ModuleDict({str(i): MidLayer(cfg, i)
+                                         for i in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = Rotary(cfg)
@@ -442,31 +599,63 @@ class Eagle3Draft(nn.Module):
         """Target id of every draft id: i + d2t[i]."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
+    def decoder_layers(self):
+        """Layer 0 (midlayer), then layers 1.. (num_hidden_layers > 1)."""
+        return [self.midlayer] + (list(self.layers.values()) if hasattr(self, "layers") else [])
+
     def fuse(self, aux):
-        """aux [B, T, 3*Ht] = concat of the three captured target hidden states -> g [B, T, H]."""
-        return self.fc(aux)
+        """aux [B, T, n*Ht] = concat of the n captured target hidden states -> g [B, T, H].
+        norm_before_fc normalises the whole concatenation, then fc_norm each layer's slice
+        (both engines' order), then fc."""
+        x = aux
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            parts = x.chunk(len(self.fc_norm), dim=-1)
+            x = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(x)
+
+    def carry(self, h2, normed=None):
+        """The feature the next draft step reads: h2, or norm(h2) with norm_output."""
+        if not self.config.norm_output:
+            return h2
+        return self.norm(h2) if normed is None else normed
 
     def forward(self, input_ids, g, position_ids, cache=None, mask=None):
-        """input_ids [B, T] target ids, g [B, T, H] features (fc(aux) or a previous h2),
-        position_ids [B, T]. Returns (draft-vocab logits [B, T, Vd], h2 [B, T, H])."""
+        """input_ids [B, T] target ids, g [B, T, H] features (fc(aux) or a previous step's carried
+        feature), position_ids [B, T]. Returns (draft-vocab logits [B, T, Vd], the feature the next
+        step reads [B, T, H]: h2, or norm(h2) with norm_output)."""
         e = self.embed_tokens(input_ids).to(g.dtype)
         cos, sin = self.rotary(position_ids, g.dtype)
-        h2 = self.midlayer(e, g, cos, sin, cache, mask)
-        return self.lm_head(self.norm(h2)), h2
+        layers = self.decoder_layers()
+        caches = (cache.layers if isinstance(cache, LayerCaches) else
+                  [None] * len(layers) if cache is None else [cache])   # KVCache: one layer
+        assert len(caches) == len(layers), "a multi-layer draft needs new_cache()'s LayerCaches"
+        h = g
+        for layer, c in zip(layers, caches):
+            h = layer(e, h, cos, sin, c, mask)
+        hn = self.norm(h)
+        return self.lm_head(hn), self.carry(h, hn)
 
     def new_cache(self, batch=1, capacity=256):
         p = self.lm_head.weight
-        return KVCache(batch, self.config.num_key_value_heads, self.config.head_dim,
-                       p.dtype, p.device, capacity)
+        make = lambda: KVCache(batch, self.config.num_key_value_heads, self.config.head_dim,
+                               p.dtype, p.device, capacity)
+        if self.config.num_hidden_layers == 1:
+            return make()
+        return LayerCaches([make() for _ in range(self.config.num_hidden_layers)])
 
     # ---- checkpoint format: config.json + model.safetensors, as SGLang loads them ----
 
     def export_state_dict(self):
         """Exactly the tensors SGLang expects. The embedding is the target's and is left out when
-        H == Ht (SGLang substitutes the target's embedding anyway)."""
+        H == Ht (SGLang substitutes the target's embedding anyway). A later layer's pre-attention
+        norm is written twice: hidden_norm (SGLang reads it) and input_layernorm (vLLM reads it)."""
         sd = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
         if self.config.hidden_size == self.config.target_hidden_size:
             sd.pop("embed_tokens.weight")
+        for i in range(1, self.config.num_hidden_layers):
+            sd[f"layers.{i}.input_layernorm.weight"] = sd[f"layers.{i}.hidden_norm.weight"].clone()
         return sd
 
     def save_pretrained(self, out_dir, dtype=None):
@@ -498,6 +687,8 @@ class Eagle3Draft(nn.Module):
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{wpath}: unreadable safetensors file ({e})")
         model = cls(cfg)
+        from layouts import sglang_tensors
+        sd = read_layout_tensors(sglang_tensors(path, sd), cfg, wpath)
         if "embed_tokens.weight" not in sd:
             if embed_weight is None:
                 raise UserError(f"{wpath}: has no embed_tokens.weight; pass the target's embedding")
@@ -519,6 +710,26 @@ class Eagle3Draft(nn.Module):
         return model.eval()
 
 
+# SGLang's legacy names for the fc_norm tensors (its load_weights renames them)
+LEGACY_FC_NORM = {"aux_norm_low.weight": "fc_norm.0.weight", "aux_norm_mid.weight": "fc_norm.1.weight",
+                  "aux_norm_high.weight": "fc_norm.2.weight"}
+
+
+def read_layout_tensors(sd, cfg, wpath):
+    """The checkpoint's tensors in this module's names: SGLang's legacy fc_norm names renamed,
+    and a later layer's vLLM copy of its pre-attention norm (layers.{i}.input_layernorm) dropped
+    after checking it equals the hidden_norm SGLang uses (if they differed, the two engines
+    would run different drafts). A checkpoint without the copy is SGLang-only, still loaded."""
+    sd = {LEGACY_FC_NORM.get(k, k): v for k, v in sd.items()}
+    for i in range(1, cfg.num_hidden_layers):
+        copy = sd.pop(f"layers.{i}.input_layernorm.weight", None)
+        own = sd.get(f"layers.{i}.hidden_norm.weight")
+        if copy is not None and own is not None and not torch.equal(copy, own):
+            raise UserError(f"{wpath}: layers.{i}.input_layernorm.weight (vLLM reads it) differs "
+                            f"from layers.{i}.hidden_norm.weight (SGLang reads it); expected equal")
+    return sd
+
+
 def check_draft_ids(ids, Vd, V, where):
     """The draft vocabulary is Vd distinct target ids, ascending (d2t[i] = ids[i] - i >= 0)."""
     if ids.numel() != Vd or not bool((ids[1:] > ids[:-1]).all()) or ids.min() < 0 or ids.max() >= V:
@@ -532,7 +743,8 @@ def read_config(path):
     if not os.path.exists(cpath):
         raise UserError(f"{path}: no {CONFIG_NAME}; expected a draft saved by model.py or train.py")
     d = read_json(cpath)
-    return DraftConfig.from_json(d, cpath)
+    from layouts import sglang_config   # speculators' layout read as SGLang's (layouts.py)
+    return DraftConfig.from_json(sglang_config(d, cpath), cpath)
 
 
 def load_draft_for(path, target_model, dtype=None):
@@ -561,16 +773,35 @@ def describe(path):
     print(f"total {total:,} elements")
 
 
+def export_layout(args):
+    """--export: the draft in the other public layout (layouts.py), checked to convert back exactly."""
+    from layouts import export
+    if not args.out:
+        raise UserError("--export needs --out DIR")
+    verifier = embed = None
+    if args.target:   # speculators_config.verifier, and the embedding a speculators file carries
+        from common import load_target_heads
+        heads, _ = load_target_heads(args.target, args.trust_remote_code)
+        tcfg = getattr(heads.config, "text_config", heads.config)
+        check_fits(read_config(args.draft), tcfg, f"--target {args.target}")
+        verifier = {"name_or_path": args.target,
+                    "architectures": getattr(heads.config, "architectures", None) or []}
+        embed = heads.get_input_embeddings().weight.detach()
+    export(args.draft, args.export, args.out, verifier, embed)
+    print(f"wrote {args.draft} in the {args.export} layout to {args.out}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("draft", nargs="?", help="a saved draft directory to describe")
-    ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
-    ap.add_argument("--out", help="where to write a fresh (untrained) draft")
+    ap.add_argument("--target", default=None,
+                    help="target model ('default' = SmolLM2-135M, the default when creating)")
+    ap.add_argument("--out", help="where to write a fresh (untrained) draft, or the --export")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="rows of lm_head; default the whole target vocabulary")
-    ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
-                    help="target layers to capture (default 1, L//2-1, L-4)")
+    ap.add_argument("--aux-layers", type=int, nargs="+", default=None,
+                    help="target layers to capture (default 1, L//2-1, L-4; two or more, e.g. five)")
     ap.add_argument("--draft-config", default=None,
                     help="JSON draft config (e.g. a public draft's config.json) whose shape fields "
                          "(heads, head_dim, MLP size, RoPE, max positions) replace the automatic choice")
@@ -579,9 +810,21 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="print the draft's config.json and parameter count; write nothing")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--doctor", action="store_true",
+                    help="check the draft against its engines (and --target): doctor.py")
+    ap.add_argument("--export", choices=["sglang", "speculators"],
+                    help="write the draft in this layout to --out (layouts.py); exact round trip")
     args = ap.parse_args(argv)
+    if args.draft and args.doctor:
+        import doctor
+        return doctor.main(args.draft, args.target, args.trust_remote_code)
+    if args.draft and args.export:
+        return export_layout(args)
     if args.draft:
         return describe(args.draft)
+    if args.export or args.doctor:
+        raise UserError("--export / --doctor need a draft directory: python model.py DRAFT ...")
+    args.target = args.target or "default"
     if not args.out and not args.dry_run:
         raise UserError("give a draft directory to describe, or --out DIR to create a draft")
     from common import load_config, parse_dtype

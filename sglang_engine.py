@@ -27,9 +27,10 @@ route does not return alongside the aux states. The price is this file's depende
 which the contract test pins.
 
 Accept length. SGLang's `meta_info.spec_verify_ct` counts verify rounds of finished requests, and
-`completion_tokens / spec_verify_ct` (SpecForge's definition, used by bench.py) counts the first token,
-made by the prefill and not by any verify round, in the numerator: for short answers it reads higher
-than accepted-per-round. speculate.py reports the same quantity, so the numbers compare.
+`completion_tokens / spec_verify_ct` (SpecForge's definition) counts the first token, made by the
+prefill and not by any verify round, in the numerator: for short answers it reads higher than
+committed-per-round. bench.py and speculate.py report exactly this quantity, pooled over prompts
+(sum of tokens / sum of rounds), with the per-prompt mean beside it under its own name.
 """
 import contextlib
 import json
@@ -87,11 +88,28 @@ def sglang_device():
 # ----------------------------------------------------------------------------------------------
 # 1. Server: python -m sglang.launch_server, /health, /generate
 
-def server_command(target_dir, draft, cfg, host, port, dtype, extra=()):
+# EAGLE on SGLang's CPU engine without AMX (README, SGLang section). Without AMX SGLang rewrites
+# the base attention backend to torch_native (srt/arg_groups/overrides.py:1301-1310), which has no
+# EAGLE draft backend (speculative/draft_utils.py:63-64) and ignores the tree mask; the split
+# prefill/decode flags survive that rewrite and route target prefill/verify and every draft
+# forward to IntelAMXAttnBackend, which calls sgl_kernel's CPU attention and spec kernels (on
+# this project's CPUs: the test-only stand-ins in tests/sglang_cpu_spec_shims/). topk > 1 needs
+# page size 1 (srt/arg_groups/speculative_hook.py:1273-1285).
+CPU_SPEC_SERVER_ARGS = ["--page-size", "1", "--disable-radix-cache",
+                        "--prefill-attention-backend", "intel_amx",
+                        "--decode-attention-backend", "intel_amx"]
+# TORCHDYNAMO_DISABLE: spec_utils.py:437 torch.compiles _select_top_k_tokens_later (reached even
+# with topk 1 on CPU). SGLANG_NATIVE_MOVE_KV_CACHE: topk > 1 moves accepted KV rows with the
+# pure-torch move_kv_cache_native (srt/environ.py:598).
+CPU_SPEC_ENV = {"TORCHDYNAMO_DISABLE": "1", "SGLANG_NATIVE_MOVE_KV_CACHE": "1"}
+
+
+def server_command(target_dir, draft, cfg, host, port, dtype, extra=(), cpu=None):
     """The launch_server command line for one bench config (batch, steps, topk, draft tokens).
     No speculative flags for the baseline. --dtype is always passed: without it a float32
     checkpoint is served as float16. With topk 1 SGLang forces draft tokens to steps + 1.
-    SGLang's CPU engine takes `--device cpu` through `extra` (bench.py --server-args)."""
+    SGLang's CPU engine takes `--device cpu` through `extra` (bench.py --server-args); on it
+    (`cpu`, default: SGLANG_USE_CPU_ENGINE is set) a speculative config adds CPU_SPEC_SERVER_ARGS."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", target_dir,
            "--host", host, "--port", str(port), "--dtype", dtype]
     if cfg.speculative:
@@ -99,7 +117,18 @@ def server_command(target_dir, draft, cfg, host, port, dtype, extra=()):
                 "--speculative-num-steps", str(cfg.steps),
                 "--speculative-eagle-topk", str(cfg.topk),
                 "--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
+        if cpu_engine() if cpu is None else cpu:
+            cmd += CPU_SPEC_SERVER_ARGS
     return cmd + list(extra)
+
+
+def server_env(cfg, env=None, cpu=None):
+    """The environment for a launched server: `env` (default: this process's), plus CPU_SPEC_ENV
+    for a speculative config on the CPU engine."""
+    env = dict(os.environ if env is None else env)
+    if cfg.speculative and (cpu_engine() if cpu is None else cpu):
+        env.update(CPU_SPEC_ENV)
+    return env
 
 
 def http_json(url, payload=None, timeout=600):
@@ -183,13 +212,17 @@ def generate(base_url, ids, sampling, timeout=3600):
 
 
 def metrics(metas, wall):
-    """SpecForge's definitions: accept length = sum(completion_tokens) / sum(spec_verify_ct)
-    (counts the prefill token, see the top of this file; a server without speculation reports
-    no spec_verify_ct: 1.0), throughput = tokens / wall."""
+    """SpecForge's definitions: accept length = sum(completion_tokens) / sum(spec_verify_ct),
+    pooled (counts the prefill token, see the top of this file; a server without speculation
+    reports no spec_verify_ct: 1.0), beside it the mean of the per-request ratios (SGLang's own
+    meta_info.spec_accept_length), throughput = tokens / wall."""
     tokens = sum(int(m.get("completion_tokens", 0)) for m in metas)
     verify = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
+    each = [int(m["completion_tokens"]) / int(m["spec_verify_ct"]) for m in metas
+            if m.get("spec_verify_ct")]
     return {"new_tokens": tokens, "rounds": verify or None,
             "accept_length": tokens / verify if verify else 1.0,
+            "per_prompt_mean_accept_length": sum(each) / len(each) if each else 1.0,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0, "wall_time": wall}
 
 

@@ -25,6 +25,7 @@ the draft's decode steps one position later, as SGLang's draft loop does.
         --num-draft-tokens 4] [--temperature 0] [--max-new-tokens 256] [--dtype bfloat16] [--check]
 """
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -63,14 +64,22 @@ def target_forward(target, ids, cache, layer_ids, position_ids=None, mask=None, 
     """One target forward on top of `cache`. Returns (logits [T, V] fp32, aux [T, 3*Ht]) where aux
     concatenates the outputs of decoder layers `layer_ids` (hidden_states[i + 1]; the last entry
     of hidden_states is final-normed, so layer ids must be < L - 1)."""
-    out = target(input_ids=ids, position_ids=position_ids, attention_mask=mask, cache=cache,
-                 use_cache=True, output_hidden_states=layer_ids is not None,
-                 logits_to_keep=1 if last_only else 0)
+    out = target(input_ids=ids, position_ids=position_ids, attention_mask=mask,
+                 **{cache_kwarg(target): cache}, use_cache=True,
+                 output_hidden_states=layer_ids is not None, logits_to_keep=1 if last_only else 0)
     aux = None
     if layer_ids is not None:
         hs = out.hidden_states
         aux = torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
     return out.logits[0].float(), aux
+
+
+def cache_kwarg(model):
+    """The KV-cache keyword of a transformers model: `cache` since transformers 5.2x,
+    `past_key_values` before (5.19, which SGLang 0.5.23 pins, silently drops an unknown `cache=`
+    into **kwargs and runs without a cache)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def new_target_cache(target):
@@ -145,8 +154,9 @@ class Stats:
     def summary(self, max_depth):
         r = max(self.rounds, 1)
         pos = [sum(a > i for a in self.accepted) / r for i in range(max_depth)]
+        # accept length: SGLang's definition (completion_tokens / spec_verify_ct), README
         return {"rounds": self.rounds, "new_tokens": self.new_tokens,
-                "accept_length": (sum(self.accepted) + self.rounds) / r,
+                "accept_length": self.new_tokens / r,
                 "accepted": self.accepted, "last_emitted": self.last_emitted,
                 "position_acceptance": pos, "draft_time": self.draft_time,
                 "verify_time": self.verify_time, "time": self.time,
@@ -519,10 +529,13 @@ def main():
         print(line, file=sys.stderr)
     tot_tokens = sum(r["new_tokens"] for r in records)
     tot_rounds = sum(r["rounds"] for r in records)
-    tot_acc = sum(r["accept_length"] * r["rounds"] for r in records)
     tot_time = sum(r["time"] for r in records)
-    summary = {"prompts": len(records), "new_tokens": tot_tokens,
-               "accept_length": tot_acc / max(tot_rounds, 1),
+    # accept length, pooled: all generated tokens / all verify rounds (SGLang's and SpecForge's
+    # figure); the mean of the per-prompt ratios is reported beside it under its own name
+    summary = {"prompts": len(records), "new_tokens": tot_tokens, "rounds": tot_rounds,
+               "accept_length": tot_tokens / max(tot_rounds, 1),
+               "per_prompt_mean_accept_length":
+                   sum(r["accept_length"] for r in records) / max(len(records), 1),
                "tokens_per_s": tot_tokens / max(tot_time, 1e-9),
                "draft_time": sum(r["draft_time"] for r in records),
                "verify_time": sum(r["verify_time"] for r in records),
@@ -531,7 +544,9 @@ def main():
     pa = [sum(r["position_acceptance"][j] * r["rounds"] for r in records) / max(tot_rounds, 1)
           for j in range(args.steps)]
     summary["position_acceptance"] = pa
-    print(f"\naccept length {summary['accept_length']:.3f} tokens/round over {tot_rounds} rounds; "
+    print(f"\naccept length {summary['accept_length']:.3f} ({tot_tokens} tokens / {tot_rounds} "
+          f"verify rounds; per-prompt mean accept length "
+          f"{summary['per_prompt_mean_accept_length']:.3f}); "
           f"per-position acceptance {' '.join(f'{a:.2f}' for a in pa)}; "
           f"{summary['tokens_per_s']:.1f} tok/s (draft {summary['draft_time']:.1f}s, "
           f"verify {summary['verify_time']:.1f}s)")

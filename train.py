@@ -174,16 +174,25 @@ def init_fc_for_features(module, hidden, seed):
     hidden states of a few sequences (the median row RMS of each layer: the first row of a
     sequence, an attention sink, can be 100x the rest) and redraw fc for it. Done after
     sharding: every rank draws the same full matrix from a seeded generator and keeps its shard,
-    so N processes start where one does. Returns the RMS [3]."""
+    so N processes start where one does. The RMS is of the features as fc sees them: after the
+    layout's norm_before_fc / fc_norm (model.py), here at their fresh weights of one, so as plain
+    x / rms(x) (the weights are DTensor shards by now). Returns the RMS [n], one per layer."""
     from model import fc_weight_for_features
+    cfg = module.draft.config
+    unit = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
     aux = torch.cat([a for a, _ in hidden]).float()
-    rms = aux.view(aux.shape[0], 3, -1).pow(2).mean(-1).sqrt().median(0).values
+    if cfg.norm_before_fc:
+        aux = unit(aux)
+    aux = aux.view(aux.shape[0], len(cfg.aux_layer_ids), -1)
+    if cfg.fc_norm:
+        aux = unit(aux)
+    rms = aux.pow(2).mean(-1).sqrt().median(0).values
     if not bool(torch.isfinite(rms).all()) or not bool((rms > 0).all()):
         raise UserError(f"--fc-init rms: the target's hidden states of the first training "
                         f"sequences have RMS {rms.tolist()} (not finite or zero); check the data, "
                         f"or use --fc-init normal")
     w = module.draft.fc.weight
-    full = fc_weight_for_features(w.shape[0], w.shape[1] // 3, rms,
+    full = fc_weight_for_features(w.shape[0], w.shape[1] // len(rms), rms,
                                   torch.Generator().manual_seed(seed)).to(w.dtype)
     if hasattr(w, "device_mesh"):    # an FSDP2 DTensor: keep this rank's shard
         from torch.distributed.tensor import distribute_tensor

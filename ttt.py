@@ -5,7 +5,8 @@ the target's hidden states. train.py runs it (data, FSDP2, checkpoints); this fi
 For one sequence x_0 .. x_{T-1} with target features h_t (three target layers, concatenated):
 
   row t at TTT step j  =  feature g_j[t], token x_{t+j+1}, RoPE position t + j
-      g_0[t] = fc(h_t)                      g_j[t] = h2_{j-1}[t]  (the previous step's pre-norm out)
+      g_0[t] = fc(h_t)                      g_j[t] = h2_{j-1}[t]  (the previous step's pre-norm out;
+                                            norm(h2_{j-1}[t]) with norm_output, model.py layouts)
   it predicts x_{t+j+2}, supervised by the target's distribution at position t+j+1:
       p_j[t] = softmax(target_lm_head(final_{t+j+1}) restricted to the draft vocab)
   and it attends to the step-0 keys of rows 0..t (causal) plus its OWN keys of steps 1..j, which is
@@ -104,29 +105,34 @@ def ttt_attention(q, k0, v0, ks, vs):
 def ttt_unroll(draft, ids, aux, J):
     """Run J TTT steps over a batch; yields h2 [B, T, H] of each step (pre-norm: logits are
     lm_head(norm(h2)), computed by the caller for the rows it needs).
-    Step j: token x_{t+j+1}, position t+j, feature fc(aux) at j = 0, else the previous h2."""
+    Step j: token x_{t+j+1}, position t+j, feature fuse(aux) at j = 0, else the previous step's
+    carried feature (h2, or norm(h2) with norm_output). With several decoder layers each layer
+    keeps its own step-0 keys and own-row keys of steps 1..j, as each has its own KV cache."""
     B, T = ids.shape
-    attn = draft.midlayer.self_attn
-    rep = attn.nh // attn.nkv
+    layers = draft.decoder_layers()
     pos = torch.arange(T, device=ids.device)[None].expand(B, T)
     g = draft.fuse(aux)
-    k0 = v0 = None
-    ks, vs = [], []
+    kv0 = [None] * len(layers)               # per layer: (k0, v0)
+    ks, vs = [[] for _ in layers], [[] for _ in layers]
     for j in range(J):
         e = draft.embed_tokens(shift_left(ids, j + 1)).to(g.dtype)
         cos, sin = draft.rotary(pos + j, g.dtype)
-        q, k, v = attn.project(draft.midlayer.attn_input(e, g), cos, sin)
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
-        if j == 0:
-            k0, v0 = k, v
-        else:
-            ks.append(k)
-            vs.append(v)
-        o = ttt_attention(q, k0, v0, ks, vs)
-        o = attn.o_proj(o.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
-        h2 = draft.midlayer.finish(g, o)
-        yield h2
-        g = h2
+        h = g
+        for l, layer in enumerate(layers):
+            attn = layer.self_attn
+            rep = attn.nh // attn.nkv
+            q, k, v = attn.project(layer.attn_input(e, h), cos, sin)
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+            if j == 0:
+                kv0[l] = (k, v)
+            else:
+                ks[l].append(k)
+                vs[l].append(v)
+            o = ttt_attention(q, *kv0[l], ks[l], vs[l])
+            o = attn.o_proj(o.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+            h = layer.finish(h, o)
+        yield h
+        g = draft.carry(h)
 
 
 class TTTLoss(nn.Module):

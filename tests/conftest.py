@@ -32,6 +32,14 @@ def tiny_target():
     return make_tiny_target()
 
 
+@pytest.fixture(scope="session")
+def lookup():
+    """(target, draft): the third-order lookup target and its hand-built draft
+    (tests/lookup_fixture.py). Shared by the session: tests must not modify them."""
+    from lookup_fixture import lookup_pair
+    return lookup_pair()
+
+
 # A Kimi-K2-like target: DeepSeek-V3 architecture (MLA attention, MoE with a shared expert, YaRN
 # RoPE) whose config, model and tokenizer classes are remote code shipped in the directory (as
 # moonshotai/Kimi-K2-Instruct's are), with a slow Python tokenizer (no offsets) and a thinking chat

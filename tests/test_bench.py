@@ -130,13 +130,21 @@ def test_torch_backend_end_to_end(tiny, tmp_path):
             assert len(e["position_acceptance"]) == 2
             assert (e["settings"]["num_steps"], e["settings"]["topk"],
                     e["settings"]["num_draft_tokens"]) == (2, 2, 4)
-        # accept length is verified tokens over rounds; per-position acceptance sums to it minus 1
-        if e["position_acceptance"] is not None:
-            assert abs(1 + sum(e["position_acceptance"]) - e["accept_length"]) < 1e-9
-        # the per-prompt records carry what accept length is made of, so any subset can be scored
+        # accept length is generated tokens over verify rounds, pooled (SGLang's figure), the
+        # per-prompt mean beside it; per-position acceptance sums to committed tokens per round
+        # (accepted + bonus) minus 1. The per-prompt records carry what each is made of, so any
+        # subset can be scored.
         pp = e["per_prompt"]
-        assert abs(sum(p["verified"] for p in pp) / sum(p["rounds"] for p in pp)
-                   - e["accept_length"]) < 1e-9
+        if e["config"] in ("1,0,0,0", "hf-generate"):
+            assert e["accept_length"] == e["per_prompt_mean_accept_length"] == 1.0
+        else:
+            assert abs(sum(p["new_tokens"] for p in pp) / sum(p["rounds"] for p in pp)
+                       - e["accept_length"]) < 1e-9
+            mean = sum(p["new_tokens"] / p["rounds"] for p in pp) / len(pp)
+            assert abs(mean - e["per_prompt_mean_accept_length"]) < 1e-9
+        if e["position_acceptance"] is not None:
+            assert abs(1 + sum(e["position_acceptance"]) - sum(p["verified"] for p in pp)
+                       / sum(p["rounds"] for p in pp)) < 1e-9
     mt = [e for e in d["results"] if e["benchmark"] == "mtbench"]
     assert all(e["prompts"] == 2 for e in mt)        # both MT-Bench turns ran
     # MT-Bench results are also split by question category (one category here: writing)
@@ -253,6 +261,7 @@ def test_sglang_metrics_from_recorded_meta_info():
     m = sglang_engine.metrics(metas, wall=2.0)
     assert m["new_tokens"] == 168 and m["rounds"] == 64
     assert m["accept_length"] == pytest.approx(168 / 64) and m["tokens_per_s"] == pytest.approx(84)
+    assert m["per_prompt_mean_accept_length"] == pytest.approx((128 / 47 + 40 / 17) / 2)
     plain = sglang_engine.metrics([{"completion_tokens": 10}, {"completion_tokens": 6}], wall=4.0)
     assert plain["accept_length"] == 1.0 and plain["rounds"] is None and plain["tokens_per_s"] == 4
 

@@ -100,8 +100,10 @@ def test_hidden_states_keep_target_dtype_and_reject_bad_layers():
     target = make_tiny_target(vocab_size=64, layers=8).to(torch.bfloat16)
     (aux, final), = hidden.target_hidden_states(target, [[1, 2, 3]], [1, 3, 5])
     assert aux.dtype == final.dtype == torch.bfloat16
-    with pytest.raises(UserError, match="three ids"):
+    with pytest.raises(UserError, match="distinct layer ids in \\[0, 6\\]"):
         hidden.target_hidden_states(target, [[1, 2, 3]], [1, 3, 7])  # L-1: only seen final-normed
+    (aux, _), = hidden.target_hidden_states(target, [[1, 2, 3]], [0, 1, 3, 4, 6])   # five layers
+    assert aux.shape == (3, 5 * 32)
 
 
 # ----------------------------------------------------------------------------------------------

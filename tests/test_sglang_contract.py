@@ -9,6 +9,9 @@
    `LlamaForCausalLMEagle3.load_weights` mapping and vLLM's (vllm==0.33.0,
    model_executor/models/llama_eagle3.py); every config key either reads is written (or listed
    below with why its default is right); aux layer ids mean the same layers in both engines.
+3. Layouts (fc_norm, norm_before_fc, norm_output, num_hidden_layers > 1, more than three aux
+   layers): the same for a checkpoint with all of them on, plus the engines' math for each as
+   their sources have it (tests/test_layouts.py checks model.py's forward against that math).
 
 The wheels are downloaded once (pip download --no-deps, 39 MB and 336 MB) into the project cache
 (~/.cache/eagle3/wheels, or $EAGLE3_CACHE/wheels) and read as zip files, never installed. Skipped, with the reason, only when a wheel can be
@@ -458,8 +461,30 @@ def require_attrs(src, path, cls_name, attrs):
     assert not missing, f"{path}: {cls_name} no longer has {missing}"
 
 
+def engine_params(cfg):
+    """The parameter names an engine's draft model has for a config.json (both engines build the
+    same modules: the wheels' sources are checked for each in the tests below): per decoder layer
+    its norms, fused qkv and gate_up; fc_norm.{i} / input_norm only with their options."""
+    n = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    params = {"lm_head.weight", "model.embed_tokens.weight", "model.fc.weight", "model.norm.weight"}
+    params |= {f"model.layers.{i}.{m}.weight" for i in range(cfg["num_hidden_layers"]) for m in [
+        "hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj",
+        "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]}
+    if cfg.get("fc_norm"):
+        params |= {f"model.fc_norm.{i}.weight" for i in range(n)}
+    if cfg["eagle_config"].get("norm_before_fc"):
+        params.add("model.input_norm.weight")
+    return params
+
+
 def test_sglang_loads_every_tensor(sgl, checkpoint):
-    names, _ = checkpoint
+    names, cfg = checkpoint
+    sglang_loaded(sgl, names, engine_params(cfg))
+
+
+def sglang_loaded(sgl, names, params):
+    """Replay LlamaForCausalLMEagle3.load_weights with its own tables read from the source: every
+    tensor must land on a parameter, and every parameter but the embedding get one."""
     path = "sglang/srt/models/llama_eagle3.py"
     tree = sgl.tree(path)
     # the modules whose parameters the names below address
@@ -470,11 +495,10 @@ def test_sglang_loads_every_tensor(sgl, checkpoint):
                   ["self_attn", "mlp", "input_layernorm", "post_attention_layernorm"])
     require_attrs(sgl, "sglang/srt/models/llama.py", "LlamaAttention", ["qkv_proj", "o_proj"])
     require_attrs(sgl, "sglang/srt/models/llama.py", "LlamaMLP", ["gate_up_proj", "down_proj"])
-    params = {"lm_head.weight", "model.embed_tokens.weight", "model.fc.weight", "model.norm.weight"}
-    params |= {f"model.layers.0.{n}.weight" for n in [
-        "hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj",
-        "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]}
-    # load_weights, replayed with its own tables read from the source
+    if any(".fc_norm." in p for p in params):
+        require_attrs(sgl, path, "LlamaModel", ["fc_norm"])
+    if "model.input_norm.weight" in params:
+        require_attrs(sgl, path, "LlamaModel", ["input_norm"])
     legacy = literal(tree, "load_weights", "legacy_name_map")
     stacked = literal(tree, "load_weights", "stacked_params_mapping")
     src = ast.get_source_segment(sgl.text(path), next(
@@ -500,7 +524,12 @@ def test_sglang_loads_every_tensor(sgl, checkpoint):
 
 
 def test_vllm_loads_every_tensor(vllm, checkpoint):
-    names, _ = checkpoint
+    names, cfg = checkpoint
+    vllm_loaded(vllm, names, engine_params(cfg) | {"draft_id_to_target_id"})
+
+
+def vllm_loaded(vllm, names, params):
+    """Replay Eagle3LlamaForCausalLM.load_weights (and LlamaModel's hf_to_vllm_mapper) likewise."""
     path = "vllm/model_executor/models/llama_eagle3.py"
     tree = vllm.tree(path)
     require_attrs(vllm, path, "Eagle3LlamaForCausalLM", ["model", "lm_head", "draft_id_to_target_id"])
@@ -519,11 +548,11 @@ def test_vllm_loads_every_tensor(vllm, checkpoint):
     src = ast.get_source_segment(vllm.text(path), top)
     assert 'name.replace("d2t", "draft_id_to_target_id")' in src and '"t2d" in name' in src
     assert 'name = "model." + name' in src
-    params = {"lm_head.weight", "draft_id_to_target_id", "model.embed_tokens.weight",
-              "model.fc.weight", "model.norm.weight"}
-    params |= {f"model.layers.0.{n}.weight" for n in [
-        "hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj",
-        "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]}
+    if any(".fc_norm." in p for p in params):
+        require_attrs(vllm, path, "LlamaModel", ["fc_norm"])
+    if "model.input_norm.weight" in params:   # else load_weights drops input_norm.* tensors
+        require_attrs(vllm, path, "LlamaModel", ["input_norm"])
+        assert 'if not self.model.norm_before_fc:\n            orig_to_new_substr["input_norm."] = None' in src
     loaded = set()
     for name in names:
         if "t2d" in name:
@@ -575,13 +604,16 @@ def config_reads(src, path):
 DEFAULTS_OK = {
     "intermediate_size_mlp": "read only when model_type is llama4_text",
     "bias": "fc without bias: default False",
-    "norm_before_fc": "no RMSNorm before fc (not in this architecture): default False",
-    "fc_norm": "no per-aux norms: default off", "use_aux_norm": "legacy name of fc_norm: off",
-    "norm_output": "the pre-norm state is fed to the next step: default False",
-    "num_aux_hidden_states": "derived from the 3 eagle_aux_hidden_state_layer_ids",
+    # layout options (model.py): written only when on (section 3 checks a checkpoint with all)
+    "norm_before_fc": "written in eagle_config when on; off: default False",
+    "fc_norm": "written when on; off: default", "use_aux_norm": "legacy name of fc_norm: "
+                                                                "read by model.py, never written",
+    "norm_output": "written when on; off: the pre-norm state feeds the next step (default)",
+    "num_aux_hidden_states": "derived by both from eagle_aux_hidden_state_layer_ids (any number)",
     "rope_parameters": "transformers builds it from rope_theta/rope_scaling",
     "logit_scale": "no logit scaling: default 1.0",
-    "norm_before_residual": "residual = fc feature, as in EAGLE-3: default False",
+    "norm_before_residual": "vLLM only; residual = fc feature, as in EAGLE-3: default False "
+                            "(model.py refuses true)",
     "attention_bias": "written: False",
     "target_layer_count": "vLLM sets it itself from the target",
     "draft_vocab_size": "written", "target_hidden_size": "written",
@@ -668,6 +700,118 @@ def test_d2t_offsets_match_both_engines(checkpoint, tmp_path):
     draft.save_pretrained(str(tmp_path))
     sd = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(sd["d2t"] + torch.arange(4), ids) and sd["t2d"].sum() == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Layouts (model.py "Layouts"): fc_norm, norm_before_fc, norm_output, num_hidden_layers > 1,
+#    more than three aux layers. One checkpoint with all of them on; tests/test_layouts.py checks
+#    the draft's forward against a transcription of the engines' forward.
+
+@pytest.fixture(scope="module")
+def layout_checkpoint(tmp_path_factory):
+    import dataclasses
+    from safetensors import safe_open
+    from model import Eagle3Draft, config_from_target
+    target = make_tiny_target(vocab_size=64, hidden_size=32, layers=8)
+    cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=[0, 1, 3, 4, 6])
+    cfg = dataclasses.replace(cfg, fc_norm=True, norm_before_fc=True, norm_output=True,
+                              num_hidden_layers=3)
+    d = tmp_path_factory.mktemp("layout_draft")
+    Eagle3Draft(cfg, target.get_input_embeddings().weight).save_pretrained(str(d))
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    return names, json.loads((d / "config.json").read_text())
+
+
+def test_layout_tensors_load_in_both_engines(sgl, vllm, layout_checkpoint):
+    names, cfg = layout_checkpoint
+    assert {"fc_norm.4.weight", "input_norm.weight", "layers.2.self_attn.q_proj.weight",
+            "layers.2.input_layernorm.weight"} <= names
+    sglang_loaded(sgl, names, engine_params(cfg))
+    vllm_loaded(vllm, names, engine_params(cfg) | {"draft_id_to_target_id"})
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_layout_config_keys_both_engines_read(engine, sgl, vllm, layout_checkpoint):
+    """Where each option is read, with the key model.py writes it under."""
+    import model
+    _, cfg = layout_checkpoint
+    src, path = (sgl, "sglang/srt/models/llama_eagle3.py") if engine == "sglang" else \
+        (vllm, "vllm/model_executor/models/llama_eagle3.py")
+    required, optional, eagle = config_reads(src, path)
+    assert {"fc_norm", "norm_output", "norm_before_fc", "num_aux_hidden_states"} <= optional
+    assert {"norm_before_fc", "eagle_aux_hidden_state_layer_ids"} <= eagle
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["num_hidden_layers"] == 3
+    assert cfg["eagle_config"]["norm_before_fc"] is True and "norm_before_fc" not in cfg
+    assert set(model.LAYOUT_FLAGS) <= optional | eagle
+    text = src.text(path)
+    # eagle_config's norm_before_fc first, then the top level
+    assert compact('eagle_config.get("norm_before_fc", getattr(') in compact(text)
+    # fc's width: num_aux_hidden_states, else the number of eagle_config layer ids
+    assert 'layer_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")' in text
+    assert "len(layer_ids) if layer_ids else 3" in text
+    assert "num_aux_hidden_states" not in cfg   # derived by both from the 5 ids
+    # every key either engine reads is written or has a stated default
+    missing = {k for k in required | optional if k not in cfg and k not in DEFAULTS_OK}
+    assert not missing, missing
+
+
+def compact(text):
+    return re.sub(r"\s+", "", text)
+
+
+def test_layout_math_in_both_engines(sgl, vllm):
+    """The semantics model.py implements, as both wheels' sources have them."""
+    s = compact(sgl.text("sglang/srt/models/llama_eagle3.py"))
+    v = compact(vllm.text("vllm/model_executor/models/llama_eagle3.py"))
+    # layer 0 reads 2H ([input_layernorm(embeds), hidden_norm(h)], embedding first), later H
+    assert compact("hidden_size = 2 * self.hidden_size if self.is_input_layer else self.hidden_size") in s
+    assert compact("qkv_input_size = 2 * self.hidden_size if layer_idx == 0 else self.hidden_size") in v
+    assert compact("hidden_states = torch.cat([embeds, hidden_states], dim=-1)") in s
+    assert compact("hidden_states = torch.cat([embeds, hidden_states], dim=-1)") in v
+    assert compact("for i in range(config.num_hidden_layers)") in s
+    assert compact("for layer_idx in range(self.config.num_hidden_layers)") in v
+    # a later layer's pre-attention norm (fused residual add): SGLang hidden_norm, vLLM
+    # input_layernorm. model.py writes the same tensor under both names.
+    assert compact("hidden_states, residual = self.hidden_norm(hidden_states, residual)") in s
+    assert compact("hidden_states, residual = self.input_layernorm(hidden_states, residual)") in v
+    # before fc: input_norm over the concatenation first, then fc_norm per chunk, then fc
+    for t in (s, v):
+        a = t.index("input_norm(hidden_states)")                 # self.(model.)input_norm
+        b = t.index(".chunk(", a)
+        c = t.index("fc_norm,chunks)", b)                          # zip(self.(model.)fc_norm, ..)
+        assert t.index("fc(hidden_states)", c) > c
+    assert compact("self.fc_input_size = target_hidden_size * self.num_aux_hidden_states") in v
+    assert compact("self.hidden_size_in * self.num_aux_hidden_states") in s
+    # SGLang applies fc only when the width is not H: one aux layer with Ht == H would skip it
+    # (model.check_aux_layers asks for two or more)
+    assert compact("if hidden_states.shape[-1] != embeds.shape[-1]:") in s
+    # norm_output: the next draft step gets the post-norm state
+    assert compact("aux = hidden_states_to_logits if self.norm_output else hidden_states_to_aux") in s
+    assert compact("aux_output = hidden_states if self.norm_output else hidden_prenorm") in v
+    # SGLang's legacy spellings, which model.py reads too
+    assert compact('getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)') in s
+    legacy = literal(sgl.tree("sglang/srt/models/llama_eagle3.py"), "load_weights", "legacy_name_map")
+    import model
+    assert {k.replace(".weight", ""): v.replace(".weight", "")
+            for k, v in model.LEGACY_FC_NORM.items()} == {k: v for k, v in legacy.items()
+                                                          if k.startswith("aux_norm")}
+    # vLLM's norm_before_residual (not read by SGLang) is refused by model.py when true
+    assert "norm_before_residual" in v and "norm_before_residual" not in s
+    assert model.FIXED_KEYS["norm_before_residual"] is False
+
+
+def test_layout_aux_layers_captured_in_both_engines(sgl, vllm, layout_checkpoint):
+    """Five ids: SGLang captures the input of layer i+1 for every id (a list, any length); vLLM
+    reads the top-level list (k = i + 1), any length."""
+    _, cfg = layout_checkpoint
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3, 4, 6]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4, 5, 7]
+    llama = sgl.text("sglang/srt/models/llama.py")
+    assert "self.model.layers_to_capture = [val + 1 for val in layer_ids]" in llama
+    mixin = vllm.text("vllm/model_executor/models/interfaces.py")
+    assert "self.aux_hidden_state_layers = tuple(sorted(set(layers)))" in mixin   # ascending too
+    assert "if layer_idx in self.aux_hidden_state_layers" in mixin
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ build needs CUDA torch). No SGLang Python code is replaced.
 Each SGLang ModelRunner lives in its own process: it publishes process-wide config and starts a
 process group, so one per process. Run: python -m pytest -q -k sglang tests
 """
+import contextlib
 import importlib.util
 import json
 import multiprocessing
@@ -293,3 +294,175 @@ def test_sglang_online_producer_matches_transformers(tmp_path):
     a, b = final_state(hf), final_state(sgl)
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# SGLang's own EAGLE3 worker on this CPU (launch_server --speculative-algorithm EAGLE3), through
+# the intel_amx attention backend; its sgl_kernel CPU ops are the pure-torch stand-ins in
+# tests/sglang_cpu_spec_shims/ (tested on their own in tests/test_sglang_spec_kernels.py). Float32,
+# greedy: SGLang's output must be the target's own greedy output, and its accept length (its own
+# counters, completion_tokens / spec_verify_ct) speculate.py --sglang-positions' on the same prompts.
+
+SPEC_SHIMS = os.path.join(ROOT, "tests", "sglang_cpu_spec_shims")
+SHIPPED_DRAFT = os.path.join(ROOT, "drafts", "smollm2-135m-eagle3-11k2")
+SPEC_PROMPTS = ["Write a short poem about the sea.",   # speculate.py's DEFAULT_PROMPTS
+                "Explain what a hash table is in three sentences.",
+                "Give me three tips for learning to cook.",
+                "What causes the seasons on Earth?"]
+SPEC_MAX_NEW = 48
+
+
+def sglang_spec_env(cfg):
+    """sglang_env() with the spec stand-ins ahead of the names-only ones (which still provide
+    torchvision), plus the CPU switches sglang_engine adds for a speculative config."""
+    import sglang_engine
+    env = sglang_env()
+    env["PYTHONPATH"] = os.pathsep.join([SPEC_SHIMS, env["PYTHONPATH"]])
+    return sglang_engine.server_env(cfg, env, cpu=True)
+
+
+@contextlib.contextmanager
+def served(target_dir, draft, cfg, log_path, extra=()):
+    """launch_server on this CPU for one config; yields the base URL. A speculative config gets
+    the CPU additions (sglang_engine.CPU_SPEC_SERVER_ARGS / CPU_SPEC_ENV) and the stand-ins."""
+    import sglang_engine
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = sglang_engine.server_command(target_dir, draft, cfg, "127.0.0.1", port, "float32",
+                                       CPU_SERVER_ARGS + list(extra), cpu=True)
+    env = sglang_spec_env(cfg) if cfg.speculative else sglang_env()
+    with sglang_engine.launched_server(cmd, url, 300, str(log_path), env=env):
+        yield url
+
+
+def stream_generate(url, ids, max_new_tokens, stop=()):
+    """One greedy /generate request, streamed. Returns (output ids, meta_info, tokens per
+    chunk). With stream_interval 1 every scheduler step sends one chunk: the first holds the
+    prefill's token, each later one the tokens one verify round committed."""
+    import urllib.request
+    body = {"input_ids": ids, "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": max_new_tokens, "stop_token_ids": list(stop)}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    last, sizes = None, []
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                last = json.loads(line[len("data:"):])
+                sizes.append(len(last["output_ids"]) - sum(sizes))
+    return last["output_ids"], last["meta_info"], sizes
+
+
+def serve_prompts(url, prompt_ids, max_new_tokens, stop):
+    runs = [stream_generate(url, ids, max_new_tokens, stop) for ids in prompt_ids]
+    return [r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]
+
+
+@pytest.fixture(scope="module")
+def shipped_reference():
+    """The shipped draft on the default target, float32, in this process: transformers' greedy
+    output and speculate.py --sglang-positions (chain 3/1/4 and tree 3/4/8) on SPEC_PROMPTS."""
+    from common import chat_prompt_ids, load_target, stop_token_ids
+    from model import load_draft_for
+    from speculate import Speculator
+    target, tok = load_target("default", "float32")
+    draft = load_draft_for(SHIPPED_DRAFT, target, torch.float32)
+    stop = stop_token_ids(tok, target.config)
+    ids = [chat_prompt_ids(tok, [{"role": "user", "content": p}]) for p in SPEC_PROMPTS]
+    greedy = []
+    for x in ids:
+        with torch.no_grad():
+            out = target.generate(torch.tensor([x]), max_new_tokens=SPEC_MAX_NEW, do_sample=False,
+                                  eos_token_id=stop)
+        greedy.append(out[0, len(x):].tolist())
+    spec = {}
+    for steps, topk, n in [(3, 1, 4), (3, 4, 8)]:
+        s = Speculator(target, draft, steps, topk, n, stop_ids=stop, sglang_positions=True)
+        spec[(steps, topk, n)] = [s.generate(x, SPEC_MAX_NEW) for x in ids]
+    return {"ids": ids, "stop": stop, "greedy": greedy, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def sglang_plain_outputs(shipped_reference, tmp_path_factory):
+    """SGLang's own plain decoding of SPEC_PROMPTS (no speculation, torch_native attention, the
+    names-only stand-ins: no sgl_kernel op is called)."""
+    from bench import Config
+    from common import resolve_target
+    log = tmp_path_factory.mktemp("plain") / "server.log"
+    with served(resolve_target("default"), None, Config(1, 0, 0, 0), log) as url:
+        outs, metas, _ = serve_prompts(url, shipped_reference["ids"], SPEC_MAX_NEW,
+                                       shipped_reference["stop"])
+    assert all("spec_verify_ct" not in m or not m["spec_verify_ct"] for m in metas)
+    return outs
+
+
+def round_sizes(spec_stats):
+    """Tokens each verify round of speculate.py emitted (the last one may be cut by the limit)."""
+    sizes = [a + 1 for a in spec_stats["accepted"]]
+    sizes[-1] = spec_stats["last_emitted"]
+    return sizes
+
+
+@pytest.mark.parametrize("steps,topk,n_draft,tol", [(3, 1, 4, 0.02), (3, 4, 8, 0.03)],
+                         ids=["chain-3-1-4", "tree-3-4-8"])
+def test_sglang_eagle3_worker_serves_shipped_draft(steps, topk, n_draft, tol, shipped_reference,
+                                                   sglang_plain_outputs, tmp_path):
+    from bench import Config
+    from common import resolve_target
+    ref = shipped_reference
+    cfg = Config(1, steps, topk, n_draft)
+    t0 = time.time()
+    with served(resolve_target("default"), SHIPPED_DRAFT, cfg, tmp_path / "server.log") as url:
+        t1 = time.time()
+        outs, metas, chunks = serve_prompts(url, ref["ids"], SPEC_MAX_NEW, ref["stop"])
+    t2 = time.time()
+    # lossless: the target's greedy output, SGLang's plain decoding, speculate.py's tokens
+    assert outs == sglang_plain_outputs == ref["greedy"]
+    spec = ref["spec"][(steps, topk, n_draft)]
+    assert [o for o, _ in spec] == ref["greedy"]
+    # SGLang's counters: every request speculated, one verify round per streamed chunk after
+    # the prefill's, the chunks add up to completion_tokens
+    for m, c, o in zip(metas, chunks, outs):
+        assert m["completion_tokens"] == len(o) == sum(c) and c[0] == 1
+        assert m["spec_verify_ct"] == len(c) - 1 > 0
+    # accept length, pooled (all completion tokens / all verify rounds) on both sides
+    sgl_al = sum(m["completion_tokens"] for m in metas) / sum(m["spec_verify_ct"] for m in metas)
+    ours_al = sum(s["new_tokens"] for _, s in spec) / sum(s["rounds"] for _, s in spec)
+    lines = []
+    for i, (c, (_, s)) in enumerate(zip(chunks, spec)):
+        a, b = c[1:], round_sizes(s)
+        first = next((r for r in range(min(len(a), len(b))) if a[r] != b[r]), None)
+        lines.append(f"prompt {i}: SGLang {len(a)} rounds, speculate.py {len(b)}" + (
+            "" if first is None else f"; first different round {first}: SGLang committed "
+            f"{a[first]} tokens, speculate.py {b[first]} (tokens {sum(b[:first]) + 1}..)"))
+    print(f"{steps}/{topk}/{n_draft}: server up in {t1 - t0:.0f} s, {len(outs)} prompts x "
+          f"{SPEC_MAX_NEW} tokens in {t2 - t1:.0f} s; accept length SGLang {sgl_al:.3f}, "
+          f"speculate.py --sglang-positions {ours_al:.3f}\n  " + "\n  ".join(lines))
+    assert abs(sgl_al - ours_al) <= tol * ours_al, (sgl_al, ours_al, lines)
+
+
+def test_sglang_eagle3_worker_tiny_random_target(tmp_path):
+    """The plumbing, fast: a tiny random Llama target and a random model.py draft (with a d2t
+    vocabulary map), tree 2/2/3 (every op, the tree mask and KV moves included). Greedy output
+    equals transformers' and SGLang counts one verify round per committed chunk."""
+    from bench import Config
+    from model import Eagle3Draft, config_from_target
+    target = make_tiny_target(vocab_size=128, hidden_size=64, layers=4, heads=4, kv_heads=2)
+    target.save_pretrained(tmp_path / "tiny")
+    cfg = config_from_target(target.config, draft_vocab_size=64, aux_layer_ids=[0, 1, 2])
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    draft.set_vocab(torch.arange(0, 128, 2))
+    draft.save_pretrained(str(tmp_path / "draft"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 17)]
+    with served(str(tmp_path / "tiny"), str(tmp_path / "draft"), Config(1, 2, 2, 3),
+                tmp_path / "server.log", ["--skip-tokenizer-init"]) as url:
+        outs, metas, chunks = serve_prompts(url, prompts, 16, ())
+    for ids, out, m, c in zip(prompts, outs, metas, chunks):
+        with torch.no_grad():
+            ref = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out == ref
+        assert m["spec_verify_ct"] == len(c) - 1 > 0 and sum(c) == len(out) == 16
