@@ -512,6 +512,40 @@ def format_table(entries):
     return "\n".join(table)
 
 
+def read_results(path):
+    """The payload of an earlier bench.py run (--compare)."""
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+        payload["results"][0]["accept_length"]
+        return payload
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise UserError(f"--compare {path}: not a bench.py results file ({e})")
+
+
+def format_comparison(entries, other, path):
+    """Accept length of this run beside an earlier run's, for the configs both ran."""
+    by = {(e["benchmark"], e["config"]): e for e in other["results"]}
+    theirs = other["results"][0]["settings"].get("backend", "earlier")
+    ours = entries[0]["settings"]["backend"] if entries else "this run"
+    rows = [["benchmark", "config", f"{ours} accept len", f"{theirs} accept len", "rounds",
+             "new tokens"]]
+    for e in entries:
+        o = by.get((e["benchmark"], e["config"]))
+        if o is None or e["config"] in (BASELINE, PEER_GENERATE, PEER_LOOKUP):
+            continue
+        rows.append([e["benchmark"], e["config"], f"{e['accept_length']:.3f}",
+                     f"{o['accept_length']:.3f}", f"{e['rounds']} / {o['rounds']}",
+                     f"{e['new_tokens']} / {o['new_tokens']}"])
+    width = [max(len(x) for x in col) for col in zip(*rows)]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(r, width)).rstrip() for r in rows]
+    keys = ("max_new_tokens", "temperature", "top_p", "dtype")
+    differ = [k for k in keys if other["results"][0]["settings"].get(k)
+              != entries[0]["settings"].get(k)] if entries else []
+    note = f" (settings differ: {', '.join(differ)})" if differ else ""
+    return "\n".join(["", f"accept length beside {path}{note}"] + lines)
+
+
 def plot(entries, path):
     """Grouped bars: accept length (left) and speedup (right), one group per benchmark."""
     import matplotlib
@@ -598,6 +632,9 @@ def parse_args(argv=None):
                     help="torch backend: draft positions as SGLang's draft loop (speculate.py)")
     ap.add_argument("--output", default="bench_results.json", help="JSON results file")
     ap.add_argument("--plot", default=None, help="PNG plot (default: the --output name, .png)")
+    ap.add_argument("--compare", metavar="JSON", default=None,
+                    help="an earlier bench.py results file on the same prompts (e.g. the torch "
+                         "backend's): print its accept length beside this run's")
     ap.add_argument("--host", default="127.0.0.1", help="sglang server host")
     ap.add_argument("--port", type=int, default=30000, help="sglang server port")
     ap.add_argument("--skip-launch-server", action="store_true",
@@ -713,6 +750,8 @@ def main(argv=None):
                "machine": machine_info(device), "versions": versions(args.backend),
                "settings": settings, "results": results}
     print(format_table(results))
+    if args.compare:
+        print(format_comparison(results, read_results(args.compare), args.compare))
     png = args.plot or os.path.splitext(args.output)[0] + ".png"
     write_outputs(payload, args.output, png)
     print(f"wrote {args.output} and {png}", file=sys.stderr)

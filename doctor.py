@@ -48,6 +48,8 @@ import layouts
 SGLANG_V, VLLM_V = "sglang 0.5.23", "vllm 0.33.0"
 EAGLE3_CLASSES = {"LlamaForCausalLMEagle3"}                       # SGLang's Llama EAGLE-3 class
 EAGLE2_CLASSES = {"LlamaForCausalLMEagle", "EagleLlamaForCausalLM", "LlamaForCausalLM"}
+# SGLang's legacy fc_norm tensor names (its loader renames them to fc_norm.{i}; vLLM's does not)
+LEGACY_FC_NORM = ("aux_norm_low.weight", "aux_norm_mid.weight", "aux_norm_high.weight")
 
 
 class Report:
@@ -120,13 +122,9 @@ def engine_views(d, names, num_layers):
         "norm_output": bool(d.get("norm_output", False)),
         "d2t": "d2t" in names, "tie": False,
         "num_layers": d.get("num_hidden_layers", 1)}
-    if any(n in names for n in layouts_legacy_fc_norm()):
+    if any(n in names for n in LEGACY_FC_NORM):
         views[VLLM_V]["legacy_fc_norm"] = True
     return views
-
-
-def layouts_legacy_fc_norm():
-    return ("aux_norm_low.weight", "aux_norm_mid.weight", "aux_norm_high.weight")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +293,9 @@ def check_engines_layers(cfg, views, rep):
         rep.ok(got == list(cfg.aux_layer_ids), f"aux layers ({eng})",
                f"captures the outputs of layers {got}, as the draft reads",
                f"captures the outputs of layers {got}; expected {list(cfg.aux_layer_ids)}")
+        rep.ok(v["num_layers"] == cfg.num_hidden_layers, f"num_hidden_layers ({eng})",
+               f"builds {v['num_layers']} decoder layer(s), as the draft has",
+               f"builds {v['num_layers']} decoder layer(s); expected {cfg.num_hidden_layers}")
 
 
 def check_vocab(cfg, sd, rep):
@@ -391,8 +392,7 @@ def cfg_tie(d, layout):
 
 def check_norm_flags(d, layout, names, cfg, views, rep):
     """Each flag against the tensors and against what each engine reads."""
-    n_fc = sum(1 for n in names if n.startswith("fc_norm.")) + sum(
-        1 for n in layouts_legacy_fc_norm() if n in names)
+    n_fc = sum(1 for n in names if n.startswith("fc_norm.") or n in LEGACY_FC_NORM)
     truth = {}
     if cfg is not None:
         truth = {"fc_norm": cfg.fc_norm, "norm_before_fc": cfg.norm_before_fc,
@@ -595,7 +595,10 @@ def run(path, target=None, tcfg=None, prompts=None, stop_ids=(), out=print, max_
     elif not prompts:
         rep.add("SKIP", "measured checks", "no prompts")
     else:
-        check_measured(path, target, prompts, rep, stop_ids, max_new_tokens)
+        try:
+            check_measured(path, target, prompts, rep, stop_ids, max_new_tokens)
+        except UserError as e:   # e.g. a draft that does not fit this target: a finding
+            rep.add("FAIL", "measured checks", str(e))
     n = len(rep.failed)
     out(f"{'FAILED' if n else 'OK'}: {n} of {sum(s in ('PASS', 'FAIL') for s, _, _ in rep.lines)} "
         f"checks failed, {sum(s == 'SKIP' for s, _, _ in rep.lines)} skipped")

@@ -41,6 +41,9 @@ both names, so the two engines compute the same draft. Any other key that would 
 Usage as a script:
     python model.py --target default --out drafts/new [--draft-vocab-size 8192]   # fresh draft
     python model.py drafts/new                                                  # inspect one
+    python model.py DRAFT --doctor [--target default]   # train/serve mismatches (doctor.py)
+    python model.py DRAFT --export speculators --out DIR --target default   # or --export sglang
+                                                # the other public layout (layouts.py), exact
     python model.py --target moonshotai/Kimi-K2-Instruct --trust-remote-code \
         --draft-vocab-size 32000 --dry-run      # the draft's config.json and size, nothing written
 """
@@ -93,7 +96,7 @@ class DraftConfig:
         d = {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_hidden_layers,
             "tie_word_embeddings": False,
             "attention_bias": False,
             "mlp_bias": False,
@@ -704,6 +707,14 @@ class Eagle3Draft(nn.Module):
             if tuple(v.shape) != tuple(want[k].shape):
                 raise UserError(f"{wpath}: {k} has shape {list(v.shape)}, config.json implies "
                                 f"{list(want[k].shape)}")
+        # the vocabulary map must be one SGLang can use: draft id i -> target id i + d2t[i],
+        # distinct, ascending, in range, and t2d marking exactly those ids
+        ids = sd["d2t"].long() + torch.arange(cfg.draft_vocab_size)
+        check_draft_ids(ids, cfg.draft_vocab_size, cfg.vocab_size, f"{wpath}: d2t")
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        if not torch.equal(sd["t2d"].bool(), t2d):
+            raise UserError(f"{wpath}: t2d does not mark exactly the target ids that d2t maps to")
         model.load_state_dict(sd, strict=False)
         if dtype is not None:
             model.to(dtype)

@@ -6,6 +6,8 @@ A training run's directory, everything train.py writes besides the weights' math
     RUN/eval_prompts.jsonl      the held-out conversations, as speculate.py --prompts input
     RUN/checkpoints/step-N/     config.json + model.safetensors (an SGLang/vLLM-loadable draft)
                                 + trainer_state.pt (model, optimizer, schedule, RNG, data position)
+    RUN/best/                   --keep-best: the draft at the held-out eval with the highest
+                                replayed accept length so far, + best.json (step, eval metrics)
 
 Checkpoints are written into a temporary directory and renamed into place, so a run killed at any
 moment leaves only complete ones, and `train.py --resume` continues from the last one exactly.
@@ -65,6 +67,41 @@ def save_checkpoint(run_dir, step, module, opt, sched, data_pos, args, draft_cfg
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return path
+
+
+BEST_DIR = "best"
+
+
+def save_best(run_dir, step, module, draft_cfg, rank, export_dtype, eval_metrics):
+    """Write RUN/best/ (the draft now, and best.json with the step and its eval metrics): called
+    when a held-out eval beats every earlier one on replayed accept length, which can peak and
+    fall while the loss still falls (DeepSpec issue 84). Every rank calls it (the state dict is
+    gathered); rank 0 writes, through a temporary directory renamed into place."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from model import Eagle3Draft
+    msd = get_model_state_dict(module, options=state_options(cpu_offload=True))
+    if rank == 0:
+        path = os.path.join(run_dir, BEST_DIR)
+        tmp = os.path.join(run_dir, f".tmp-best-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        export = Eagle3Draft(draft_cfg)
+        export.load_state_dict({k[len("draft."):]: v for k, v in msd.items()
+                                if k != "draft.embed_tokens.weight"}, strict=False)
+        export.save_pretrained(tmp, dtype=export_dtype)
+        with open(os.path.join(tmp, "best.json"), "w") as f:
+            json.dump({"step": step, "eval": eval_metrics}, f, indent=1)
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+    dist.barrier()
+
+
+def best_so_far(run_dir):
+    """The replayed accept length of RUN/best/ (for --resume), or -inf when there is none."""
+    p = os.path.join(run_dir, BEST_DIR, "best.json")
+    if not os.path.exists(p):
+        return float("-inf")
+    with open(p) as f:
+        return float(json.load(f)["eval"]["replay_accept_3"])
 
 
 def list_checkpoints(run_dir):

@@ -167,6 +167,7 @@ class Speculator:
     def __init__(self, target, draft, steps=3, topk=1, num_draft_tokens=None, temperature=0.0,
                  top_p=1.0, stop_ids=(), sglang_positions=False):
         check_spec_args(steps, topk, num_draft_tokens, draft.config.draft_vocab_size)
+        check_sampling_args(temperature, top_p)
         self.target, self.draft = target, draft
         self.steps, self.topk = steps, topk
         self.num_draft_tokens = num_draft_tokens or default_num_draft_tokens(steps, topk)
@@ -338,10 +339,13 @@ class Speculator:
         dev, st = self.device, Stats()
         t_start = time.perf_counter()
         P = len(prompt_ids)
-        limit = self.target.config.max_position_embeddings
-        if P + max_new_tokens + self.steps + 1 > limit:
-            raise UserError(f"prompt ({P} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
-                            f"target's max_position_embeddings {limit}")
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens {max_new_tokens}: expected >= 1")
+        for who, limit in (("target", self.target.config.max_position_embeddings),
+                           ("draft", self.draft.config.max_position_embeddings)):
+            if P + max_new_tokens + self.steps + 1 > limit:
+                raise UserError(f"prompt ({P} tokens) + --max-new-tokens {max_new_tokens} exceeds "
+                                f"the {who}'s max_position_embeddings {limit}")
         self.tcache = new_target_cache(self.target)
         self.dcache = self.draft.new_cache(capacity=P + max_new_tokens + self.num_draft_tokens * 2)
         # Prefill: the target's first token and its features for every prompt position.
@@ -394,6 +398,13 @@ def default_num_draft_tokens(steps, topk):
 def tree_capacity(steps, topk):
     """Candidates an EAGLE-2 tree can offer: topk at depth 1, topk^2 at each later depth."""
     return topk + (steps - 1) * topk * topk
+
+
+def check_sampling_args(temperature, top_p):
+    if not temperature >= 0 or not math.isfinite(temperature):
+        raise UserError(f"--temperature {temperature}: expected >= 0")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p {top_p}: expected in (0, 1]")
 
 
 def check_spec_args(steps, topk, num_draft_tokens, draft_vocab_size):

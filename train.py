@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from common import UserError, run_main
 from hidden import Offline, Online
-from rundir import (list_checkpoints, load_checkpoint, save_checkpoint, truncate_log,
-                    write_eval_prompts, write_plots)
+from rundir import (best_so_far, list_checkpoints, load_checkpoint, save_best, save_checkpoint,
+                    truncate_log, write_eval_prompts, write_plots)
 from ttt import TTTLoss, metrics, replay_decoding, shift_left, target_side, valid_rows
 
 
@@ -201,6 +201,22 @@ def init_fc_for_features(module, hidden, seed):
     return rms
 
 
+@torch.no_grad()
+def init_lm_head(draft, target, args):
+    """--lm-head-init target: lm_head starts as the target's own read-out restricted to the draft
+    vocabulary (row i = the target's row for draft id i); the target's lm_head reads its final-
+    normed state as the draft's reads its own. --freeze-lm-head then keeps it fixed (before FSDP
+    wraps the module, so the optimizer never sees it)."""
+    if args.lm_head_init == "target":
+        w = target.get_output_embeddings().weight
+        if w.shape[1] != draft.lm_head.weight.shape[1]:
+            raise UserError(f"--lm-head-init target: the target's lm_head is {w.shape[1]} wide, "
+                            f"the draft's {draft.lm_head.weight.shape[1]}")
+        draft.lm_head.weight.copy_(w[draft.draft_ids].float())
+    if args.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 
@@ -240,9 +256,19 @@ def parse_args(argv=None):
                     help="fc's initialisation: scaled to the captured layers' RMS so fc(aux) "
                          "starts at RMS ~1 (rms, measured better), or plain std 0.02 (normal)")
     ap.add_argument("--init", default=None, help="start from this draft directory's weights")
+    ap.add_argument("--lm-head-init", default="random", choices=["random", "target"],
+                    help="a new draft's lm_head: std-0.02 random, or the target's lm_head rows for "
+                         "the draft vocabulary (both read a final-normed H-wide state)")
+    ap.add_argument("--freeze-lm-head", action="store_true",
+                    help="keep lm_head fixed (with --lm-head-init target or --init): Vd*H fewer "
+                         "trainable parameters, no lm_head gradient")
+    ap.add_argument("--ttt-loss-rows", default="all", choices=["all", "chain"],
+                    help="all: every valid row at every TTT step; chain: step j only on rows whose "
+                         "steps 0..j-1 were right, the rows a greedy chain reaches (GRIFFIN-style)")
     ap.add_argument("--draft-config", default=None,
                     help="JSON draft config whose shape fields (heads, head_dim, MLP size, RoPE, "
-                         "max positions) replace the automatic choice (see model.py)")
+                         "max positions) and layout options (fc_norm, norm_before_fc, norm_output, "
+                         "num_hidden_layers) replace the automatic choice (see model.py)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="run Python code shipped with the target (Kimi-K2's model and tokenizer)")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
@@ -267,6 +293,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    ap.add_argument("--keep-best", action="store_true",
+                    help="also keep RUN/best/: the draft at the eval with the highest held-out "
+                         "replayed accept length")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--stop-at", type=int, default=None,
                     help="save and stop at this step without changing the schedule (a planned break)")
@@ -302,11 +331,20 @@ def check_args(a):
         raise UserError(f"--warmup {a.warmup}: expected in [0, 1)")
     if a.offline and a.target_backend != "transformers":
         raise UserError("--target-backend runs the online producer; --offline reads stored states")
+    if a.hidden_dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--hidden-dtype {a.hidden_dtype}: expected float32, bfloat16 or float16")
     if a.resume and a.init:
         raise UserError("--resume continues a run; --init starts a new one: give one of them")
     if a.init and a.draft_config:
         raise UserError("--init takes the draft's shape from its config.json; --draft-config "
                         "shapes a new draft: give one of them")
+    if a.keep_best and a.eval_fraction == 0:
+        raise UserError("--keep-best picks by the held-out eval: it needs --eval-fraction > 0")
+    if a.init and a.lm_head_init != "random":
+        raise UserError("--lm-head-init starts a new draft's lm_head; --init brings its own")
+    if a.freeze_lm_head and a.lm_head_init == "random" and not a.init:
+        raise UserError("--freeze-lm-head would freeze a random lm_head: add --lm-head-init target "
+                        "(or --init DRAFT)")
 
 
 def lr_lambda(warmup, total, min_ratio):
@@ -370,6 +408,7 @@ def main(argv=None):
             torch.manual_seed(args.seed)
             draft = Eagle3Draft(cfg, embed)
             draft.set_vocab(vocab["draft_ids"])
+        init_lm_head(draft, target, args)
         del target
         draft_ids = vocab["draft_ids"].to(device)
         t2d = draft.t2d.clone().to(device)
@@ -391,7 +430,8 @@ def main(argv=None):
         # ---- model, FSDP2, optimizer ----
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        module = TTTLoss(draft.to(device), args.ttt_length, args.accept_loss)
+        module = TTTLoss(draft.to(device), args.ttt_length, args.accept_loss,
+                         chain_rows=args.ttt_loss_rows == "chain")
         mesh = init_device_mesh(device.split(":")[0], (world,))
         fully_shard(module, mesh=mesh)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -519,6 +559,7 @@ def main(argv=None):
         win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, source.wait
         step = start
         last_ckpt = list_checkpoints(args.out)[-1] if start else None
+        best_replay = best_so_far(args.out) if start else float("-inf")
 
         def checkpoint(step):
             data_pos = {"next_step": step, "tokens": tokens_seen,
@@ -584,6 +625,9 @@ def main(argv=None):
                 m = evaluate()
                 module.train()
                 log({"step": step, "split": "eval", "tokens": tokens_seen, **m})
+                if args.keep_best and m["replay_accept_3"] > best_replay:
+                    best_replay = m["replay_accept_3"]
+                    save_best(args.out, step, module, cfg, rank, parse_dtype(args.export_dtype), m)
                 if rank == 0:
                     write_plots(args.out, log_path)
                     msg = (f"eval step {step}: loss {m['loss']:.3f}, acc "

@@ -139,9 +139,14 @@ class TTTLoss(nn.Module):
     """The unit FSDP2 shards: its forward is one TTT unroll and its loss, so FSDP's hooks gather
     the draft's parameters around exactly this computation and reduce-scatter its gradients."""
 
-    def __init__(self, draft, ttt_length, accept_weight=0.0):
+    def __init__(self, draft, ttt_length, accept_weight=0.0, chain_rows=False):
         super().__init__()
         self.draft, self.J, self.accept_weight = draft, ttt_length, accept_weight
+        # chain_rows (train.py --ttt-loss-rows chain, GRIFFIN-style): step j's loss only on rows
+        # whose steps 0..j-1 were right, the only rows where a greedy chain ever uses step j.
+        # Still divided by all valid rows, so a step weighs as much as the chains that reach it.
+        # The statistics (and so acc_j and the replayed accept length) stay over all valid rows.
+        self.chain_rows = chain_rows
 
     def forward(self, ids, aux, targ_p, targ_argmax, valid, denom, scale):
         """targ_p [B*T, Vd], targ_argmax [B*T]: the target at every position (target_side);
@@ -159,13 +164,17 @@ class TTTLoss(nn.Module):
             lg = self.draft.lm_head(self.draft.norm(h2.reshape(B * T, -1)[rows])).float()
             p = targ_p[rows + j + 1]                                  # the target at t+j+1
             # soft cross-entropy -sum p log softmax(lg) = logsumexp(lg) - p.lg, since sum p = 1
-            ce_sum = (torch.logsumexp(lg, -1) - (p * lg).sum(-1)).sum()
-            obj = ce_sum
+            ce = torch.logsumexp(lg, -1) - (p * lg).sum(-1)            # [rows]
+            ce_sum = ce.sum()
+            obj = ce
             if self.accept_weight:
                 # sum_x min(p, q) is the chance that a sampled draft token is accepted (it is
                 # 1 - TV(p, q)); -log of it aims at acceptance directly, not at all of p
                 acc = torch.minimum(p, torch.softmax(lg, -1)).sum(-1).clamp_min(1e-6)
-                obj = obj + self.accept_weight * -torch.log(acc).sum()
+                obj = obj + self.accept_weight * -torch.log(acc)
+            if self.chain_rows and j > 0:          # rows whose steps 0..j-1 all matched
+                obj = obj * correct[:j, rows].all(0)
+            obj = obj.sum()
             loss = loss + LOSS_DECAY ** j * obj / denom[j].clamp_min(1) * scale
             ok = lg.argmax(-1) == targ_argmax[rows + j + 1]
             correct[j, rows] = ok

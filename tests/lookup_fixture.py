@@ -6,7 +6,9 @@ Target (a 4-layer Llama; layers 1-3 are identities, zeroed o_proj / down_proj):
     x_{t+1} = F[x_{t-2}, x_{t-1}, x_t]        F: a random table with values in the draft vocab S
   Layer 0 has two RoPE attention heads that look exactly 1 and 2 positions back and copy those
   tokens' one-hots into their own slots of the residual stream; its MLP is a lookup table with one
-  gated neuron per triple. So the target needs its grandparent: a tree verify mask or position
+  gated neuron per (class of x_{t-2}, x_{t-1}, x_t), the class being one bit of x_{t-2} (which
+  half of the vocabulary it is in: a full V^3 table would make every forward 5x slower). So the
+  target needs its grandparent: a tree verify mask or position
   that is wrong anywhere from depth 2 on changes its output.
 
 Draft row p (features of x_p from the target, token x_{p+1}) predicts x_{p+2} = F[x_{p-1}, x_p,
@@ -43,22 +45,35 @@ GAMMA = 20.0      # "linear" neurons: silu(GAMMA) = GAMMA to 4e-8
 SCORE = 160.0     # |a|^2 of the RoPE attention heads: the wanted offset wins by >= 20 logits
 
 
+NEURONS = 2 * V * V   # lookup neurons: (class of x_{t-2}, x_{t-1}, x_t)
+
+
 def make_table(seed, err):
-    """F [V, V, V] -> target token in S; the draft's table, and which entries it gets wrong."""
+    """The rule as compact tables [2, V, V] indexed by (class of x_{t-2}, x_{t-1}, x_t), where
+    the class of a token is whether it is in a random half of the vocabulary: the target's table,
+    the draft's first / second / third choices, which entries the draft gets wrong, and the class
+    of each token. Expanded to [V, V, V] (by the real x_{t-2}) by `full`."""
     g = torch.Generator().manual_seed(seed)
     Sx = torch.tensor(S)
-    table = Sx[torch.randint(0, len(S), (V, V, V), generator=g)]
-    wrong = torch.rand(V, V, V, generator=g) < err
+    cls = torch.zeros(V, dtype=torch.long)
+    cls[torch.randperm(V, generator=g)[:V // 2]] = 1
+    table = Sx[torch.randint(0, len(S), (2, V, V), generator=g)]
+    wrong = torch.rand(2, V, V, generator=g) < err
     # draft's preference order for every entry: first, second and third token (distinct, in S)
-    order = torch.stack([Sx[torch.randperm(len(S), generator=g)[:3]] for _ in range(V ** 3)])
-    order = order.view(V, V, V, 3)
+    order = torch.stack([Sx[torch.randperm(len(S), generator=g)[:3]] for _ in range(NEURONS)])
+    order = order.view(2, V, V, 3)
     first = torch.where(wrong, torch.where(order[..., 0] == table, order[..., 1], order[..., 0]),
                         table)
     second = torch.where(wrong, table, torch.where(order[..., 0] == table, order[..., 1],
                                                    order[..., 0]))
     third = order[..., 2]
     third = torch.where((third == first) | (third == second), order[..., 1], third)
-    return table, first, second, third, wrong
+    return table, first, second, third, wrong, cls
+
+
+def full(compact, cls):
+    """[2, V, V] by class -> [V, V, V] by token: F[a, b, c] = compact[cls[a], b, c]."""
+    return compact[cls]
 
 
 def offset_head(rotary_fn, offset):
@@ -74,11 +89,14 @@ def offset_head(rotary_fn, offset):
     return q.flatten(), a
 
 
-def make_target(seed=0, layers=4, beta=5.0):
-    """The lookup target (see the module docstring), float32, eval mode."""
+def make_target(seed=0, layers=4, beta=5.0, noise=0.0):
+    """The lookup target (see the module docstring), float32, eval mode. `beta` scales the logit
+    of the table's token (5: greedy margins ~18; small: a soft distribution for sampling tests);
+    `noise` adds random lm_head weights on the other slots, so no two logits tie."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    table = make_table(seed, 0.0)[0]
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=V ** 3, num_hidden_layers=layers,
+    tables = make_table(seed, 0.0)
+    table, cls = tables[0], tables[-1]
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=NEURONS, num_hidden_layers=layers,
                       num_attention_heads=H // HD, num_key_value_heads=H // HD, head_dim=HD,
                       max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                       rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
@@ -105,13 +123,13 @@ def make_target(seed=0, layers=4, beta=5.0):
         k[head * HD:(head + 1) * HD, CONST] = kv / s_in
         v[head * HD:head * HD + V, TOK:TOK + V] = eye / s_in
         o[slot:slot + V, head * HD:head * HD + V] = eye
-    # MLP: one neuron per (x_{t-2}, x_{t-1}, x_t); post-attention rms = sqrt(4/H)
+    # MLP: one neuron per (class of x_{t-2}, x_{t-1}, x_t); post-attention rms = sqrt(4/H)
     s_mlp = (H / 4) ** 0.5
     gate, up = sd[L0 + "mlp.gate_proj.weight"], sd[L0 + "mlp.up_proj.weight"]
     down = sd[L0 + "mlp.down_proj.weight"]
-    n = torch.arange(V ** 3)
+    n = torch.arange(NEURONS)
     i, j, kk = n // (V * V), (n // V) % V, n % V
-    gate[n, C + i] = ALPHA / s_mlp
+    gate[n[:, None], C + torch.arange(V)] = (cls[None] == i[:, None]) * ALPHA / s_mlp
     gate[n, A + j] = ALPHA / s_mlp
     gate[n, TOK + kk] = ALPHA / s_mlp
     gate[n, CONST] = -2.5 * ALPHA / s_mlp
@@ -119,18 +137,20 @@ def make_target(seed=0, layers=4, beta=5.0):
     down[O + table.flatten(), n] = 1.0 / F.silu(torch.tensor(ALPHA / 2)).item()
     W = torch.zeros(V, H)
     W[torch.arange(V), O + torch.arange(V)] = beta
+    if noise:
+        W[:, :O] = noise * torch.randn(V, O, generator=torch.Generator().manual_seed(seed + 1))
     sd["lm_head.weight"] = W
     t.load_state_dict(sd, strict=False)
-    t.table = table
+    t.table = full(table, cls)
     return t
 
 
 def make_draft(target, seed=0, err=0.1):
     """The hand-built draft for `make_target(seed)` (see the module docstring)."""
     from model import Eagle3Draft, config_from_target
-    _, first, second, third, wrong = make_table(seed, err)
+    _, first, second, third, wrong, cls = make_table(seed, err)
     cfg = config_from_target(target.config, len(S))
-    cfg.intermediate_size = V ** 3 + 5 * V
+    cfg.intermediate_size = NEURONS + 5 * V
     d = Eagle3Draft(cfg, target.get_input_embeddings().weight)
     d.set_vocab(torch.tensor(S))
     rotary_fn = lambda pos: d.rotary(pos, torch.float32)
@@ -156,21 +176,21 @@ def make_draft(target, seed=0, err=0.1):
         # MLP on post_attention_layernorm(h1), h1 = g + attn = 6 unit one-hots -> rms sqrt(6/H)
         s = (H / 6) ** 0.5
         m = d.midlayer.mlp
-        n = torch.arange(V ** 3)
+        n = torch.arange(NEURONS)
         i, j, k = n // (V * V), (n // V) % V, n % V
-        m.gate_proj.weight[n, C + i] = ALPHA / s
+        m.gate_proj.weight[n[:, None], C + torch.arange(V)] = (cls[None] == i[:, None]) * ALPHA / s
         m.gate_proj.weight[n, TOK + j] = ALPHA / s
         m.gate_proj.weight[n, B2 + j] = ALPHA / s
         m.gate_proj.weight[n, A + k] = ALPHA / s
         m.gate_proj.weight[n, CONST] = -3.5 * ALPHA / s
-        m.up_proj.weight[:V ** 3, CONST] = 1.0 / s
+        m.up_proj.weight[:NEURONS, CONST] = 1.0 / s
         # the output: a unit vector over (first, second, third) choices
         w = torch.tensor([1.0, 0.8, 0.4])
         w = w / w.norm() / F.silu(torch.tensor(ALPHA / 2)).item()
         for c, tok in enumerate((first, second, third)):
             m.down_proj.weight[O + tok.flatten(), n] += w[c]
         # linear neurons (gate = GAMMA on the constant): h2's token slot <- A, clear A, C, B', O
-        lin = V ** 3 + torch.arange(V)
+        lin = NEURONS + torch.arange(V)
         for b, (dst, plus, minus) in enumerate([(TOK, A, TOK), (A, None, A), (C, None, C),
                                                 (B2, None, B2), (O, None, O)]):
             rows = lin + b * V
@@ -182,7 +202,7 @@ def make_draft(target, seed=0, err=0.1):
                 torch.tensor(GAMMA)).item())
         # lm_head over the draft vocab reads O
         d.lm_head.weight[torch.arange(len(S)), O + torch.tensor(S)] = 5.0
-    d.wrong, d.first = wrong, first
+    d.wrong, d.first = full(wrong, cls), full(first, cls)
     return d.eval()
 
 

@@ -23,10 +23,11 @@ SCRATCH = os.environ.get("MUTANTS_DIR", "/root/scratch/mutants")
 LK = "tests/test_lookup.py"
 SP = "tests/test_speculate.py"
 SAMPLING = "tests/test_sampling.py"
-STRICT = "tests/test_strict.py"
 TRAIN = "tests/test_train.py"
+BAD = "tests/test_bad_inputs.py"
 
-# (name, file, old snippet, new snippet, tests to run). `old` must occur exactly once.
+# (name, file, old snippet, new snippet, tests to run). `old` must occur exactly once; old and
+# new may also be tuples of snippets, applied in turn (a bug that spans several lines).
 MUTANTS = [
     # ---- tree verification (the target side) ----
     ("verify-mask-root-parent-self", "speculate.py",
@@ -120,11 +121,102 @@ MUTANTS = [
     ("ttt-wrong-token-at-draft-steps", "ttt.py",
      "        e = draft.embed_tokens(shift_left(ids, j + 1)).to(g.dtype)",
      "        e = draft.embed_tokens(shift_left(ids, 1)).to(g.dtype)", [LK + "::test_training_replay_equals_speculate"]),
+    # ---- sampling ----
+    ("sampling-ignores-temperature", "speculate.py",
+     "    p = torch.softmax(logits.float() / temperature, dim=-1)",
+     "    p = torch.softmax(logits.float(), dim=-1)", [SAMPLING]),
+    ("sampling-ignores-top-p", "speculate.py",
+     "    if top_p < 1.0:\n        sp, idx", "    if False:\n        sp, idx", [SAMPLING]),
+    ("top-p-keeps-one-token-too-many", "speculate.py",
+     "        drop = sp.cumsum(-1) - sp >= top_p", "        drop = sp.cumsum(-1) - 2 * sp >= top_p",
+     [SAMPLING]),
+    ("chain-depth-1-q-at-every-depth", "speculate.py",
+     "                q[self.draft_ids] = tree.q[c - 1]", "                q[self.draft_ids] = tree.q[0]",
+     [SAMPLING]),
+    ("chain-residual-is-p", "speculate.py",
+     "                resid = (p - q).clamp_min(0)", "                resid = p.clone()", [SAMPLING]),
+    ("chain-accepts-with-p-over-q-squared", "speculate.py",
+     "                if float(torch.rand((), generator=gen)) * q[x] < p[x]:",
+     "                if float(torch.rand((), generator=gen)) * q[x] * q[x] < p[x]:", [SAMPLING]),
+    ("tree-rejected-sibling-keeps-its-mass", "speculate.py",
+     "                p[x] = 0.0\n", "                p[x] = p[x] * 0.5\n", [SAMPLING]),
+    ("tree-accepts-with-q-order-not-p", "speculate.py",
+     "                if float(torch.rand((), generator=gen)) < p[x]:",
+     "                if float(torch.rand((), generator=gen)) < p[x] ** 0.5:", [SAMPLING]),
+    ("chain-draws-drafts-at-temperature-1", "speculate.py",
+     "                q = target_probs(logits, self.temperature, self.top_p)",
+     "                q = target_probs(logits, 1.0, self.top_p)", [SAMPLING]),
+    # ---- --check and bench must count mismatches ----
+    ("check-mismatches-hard-wired-0", "speculate.py",
+     "            mismatches += ref != out", "            mismatches += 0", [LK + "::test_check_counts_a_broken_verifier_and_exits_1"]),
+    ("check-never-exits-1", "speculate.py",
+     "    if args.check and mismatches:", "    if False:", [LK + "::test_check_counts_a_broken_verifier_and_exits_1"]),
+    ("bench-mismatches-hard-wired-0", "bench.py",
+     "                       else sum(not r[\"match\"] for r in records)),",
+     "                       else 0),", [LK + "::test_bench_counts_mismatches"]),
+    ("bench-compares-with-itself", "bench.py",
+     "                        rec[\"match\"] = toks == base_toks if args.temperature == 0 else None",
+     "                        rec[\"match\"] = toks == toks if args.temperature == 0 else None",
+     [LK + "::test_bench_counts_mismatches"]),
+    # ---- bad input ----
+    ("speculator-skips-sampling-checks", "speculate.py",
+     "        check_sampling_args(temperature, top_p)\n        self.target", "        self.target",
+     [BAD]),
+    ("generate-skips-max-new-tokens-check", "speculate.py",
+     "        if max_new_tokens < 1:\n", "        if max_new_tokens < 0:\n", [BAD]),
+    ("generate-ignores-draft-positions", "speculate.py",
+     "                           (\"draft\", self.draft.config.max_position_embeddings)):",
+     "                           (\"draft\", 10 ** 9)):", [BAD]),
+    ("cli-top-p-allows-0", "speculate.py",
+     "    if not 0 < args.top_p <= 1:", "    if not 0 <= args.top_p <= 1:", [BAD]),
+    ("bench-top-p-allows-above-1", "bench.py",
+     "    if not 0 < args.top_p <= 1:", "    if not 0 < args.top_p <= 2:", [BAD]),
+    ("train-lr-0-allowed", "train.py", "    if not a.lr > 0 or", "    if not a.lr >= 0 or", [BAD]),
+    ("train-ttt-length-0-allowed", "train.py",
+     "    for name in (\"ttt_length\", \"batch_size\",", "    for name in (\"batch_size\",", [BAD]),
+    ("train-resume-with-init-allowed", "train.py",
+     "    if a.resume and a.init:", "    if False:", [BAD]),
+    ("load-skips-d2t-check", "model.py",
+     "        check_draft_ids(ids, cfg.draft_vocab_size, cfg.vocab_size, f\"{wpath}: d2t\")\n", "", [BAD]),
+    ("load-skips-t2d-check", "model.py",
+     "        if not torch.equal(sd[\"t2d\"].bool(), t2d):", "        if False:", [BAD]),
+    # ---- RoPE scaling ----
+    ("draft-rope-ignores-scaling", "model.py",
+     "        if cfg.rope_scaling:\n            params.update", "        if False:\n            params.update",
+     [BAD]),
+    ("config-drops-rope-scaling", "model.py",
+     "    rope_scaling = None if rope_type == \"default\" else {k: v for k, v in rope.items()",
+     "    rope_scaling = None if True else {k: v for k, v in rope.items()", [BAD]),
+    ("draft-rope-scale-dropped", "model.py",
+     "        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)",
+     "        return emb.cos().to(dtype), emb.sin().to(dtype)", [BAD]),
+    # ---- resume ----
+    ("resume-restores-nothing-and-says-so-quietly", "train.py",
+     ("            st = load_checkpoint(ck[-1], module, opt, sched, rank, world, vocab[\"draft_ids\"])",
+      "            start, tokens_seen = st[\"step\"], st[\"data\"].get(\"tokens\", 0)",
+      "                print(f\"resumed from {ck[-1]} at step {start}\", file=sys.stderr)"),
+     ("            st = {\"args\": vars(args), \"step\": int(os.path.basename(ck[-1])[5:]), \"data\": {}}",
+      "            start, tokens_seen = 0, 0",
+      "                print(f\"resumed from {ck[-1]} at step {st['step']}\", file=sys.stderr)"),
+     [TRAIN + "::test_kill_and_resume_gives_identical_weights"]),
+    ("resume-starts-at-step-0", "train.py",
+     "            start, tokens_seen = st[\"step\"], st[\"data\"].get(\"tokens\", 0)",
+     "            start, tokens_seen = 0, 0", [TRAIN + "::test_kill_and_resume_gives_identical_weights"]),
+    ("online-resume-producer-from-step-0", "train.py",
+     "                     for s in range(start, stop_at)]", "                     for s in range(0, stop_at)]",
+     [TRAIN + "::test_online_kill_and_resume"]),
+    # ---- training metrics and export ----
+    ("export-perturbs-non-lm-head", "model.py",
+     "        sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()",
+     "        sd = {k: ((v * (1 if \"lm_head\" in k else 1.001)).to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()",
+     [TRAIN + "::test_offline_run_exports_loadable_draft_and_learns"]),
+    ("replay-skips-the-bonus-token", "ttt.py",
+     "                t += a + 1\n", "                t += a + 2\n", [LK + "::test_training_replay_equals_speculate"]),
 ]
 
 
-def covering_tests():
-    return sorted({t for m in MUTANTS for t in m[4]})
+def edits(old, new):
+    return list(zip(old, new)) if isinstance(old, tuple) else [(old, new)]
 
 
 def copy_tree(dst):
@@ -162,9 +254,11 @@ def main():
             print(f"{name:45s} {f:14s} {' '.join(tests)}")
         return
     for name, f, old, new, _ in todo:    # every snippet must still be in the code, once
-        n = open(os.path.join(ROOT, f)).read().count(old)
-        if n != 1:
-            sys.exit(f"mutant {name}: its snippet occurs {n} times in {f}; update tests/mutants.py")
+        src = open(os.path.join(ROOT, f)).read()
+        for o in edits(old, new):
+            if src.count(o[0]) != 1:
+                sys.exit(f"mutant {name}: its snippet occurs {src.count(o[0])} times in {f}; "
+                         f"update tests/mutants.py")
     base = os.path.join(SCRATCH, "baseline")
     if not args.no_baseline:
         copy_tree(base)
@@ -179,8 +273,10 @@ def main():
         copy_tree(tree)
         path = os.path.join(tree, f)
         src = open(path).read()
+        for o, n in edits(old, new):
+            src = src.replace(o, n)
         with open(path, "w") as fh:
-            fh.write(src.replace(old, new))
+            fh.write(src)
         try:
             compile(open(path).read(), path, "exec")
         except SyntaxError as e:

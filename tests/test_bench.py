@@ -466,3 +466,30 @@ def test_sglang_backend_needs_sglang_and_cuda(tiny, tmp_path, monkeypatch):
                     "--benchmark-list", tiny["prompts"], "--config-list", "1,3,1,4",
                     "--output", str(tmp_path / "r.json")])
     assert not os.listdir(tmp_path)
+
+
+def test_compare_prints_accept_length_beside_an_earlier_run(tmp_path):
+    """--compare FILE: this run's accept length beside an earlier run's (e.g. SGLang's beside
+    the torch backend's on the same prompts), for the speculative configs both ran."""
+    def entry(backend, config, al, rounds, tokens, max_new=64):
+        return {"benchmark": "mtbench", "config": config, "accept_length": al, "rounds": rounds,
+                "new_tokens": tokens, "settings": {"backend": backend, "max_new_tokens": max_new,
+                                                   "temperature": 0.0, "top_p": 1.0,
+                                                   "dtype": "float32"}}
+    torch_run = {"settings": {"backend": "torch"}, "results": [
+        entry("torch", "1,0,0,0", 1.0, 10, 10), entry("torch", "1,3,1,4", 1.75, 100, 175)]}
+    path = tmp_path / "torch.json"
+    path.write_text(json.dumps(torch_run))
+    ours = [entry("sglang", "1,0,0,0", 1.0, None, 10), entry("sglang", "1,3,1,4", 1.7, 103, 175),
+            entry("sglang", "1,3,4,8", 2.1, 80, 168)]
+    text = bench.format_comparison(ours, bench.read_results(str(path)), str(path))
+    rows = [line.split() for line in text.splitlines()[3:]]
+    assert rows == [["mtbench", "1,3,1,4", "1.700", "1.750", "103", "/", "100", "175", "/", "175"]]
+    assert "sglang accept len" in text and "torch accept len" in text and "differ" not in text
+    for e in ours:
+        e["settings"]["max_new_tokens"] = 32
+    assert "settings differ: max_new_tokens" in bench.format_comparison(
+        ours, bench.read_results(str(path)), str(path))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UserError, match="--compare .*bad.json: not a bench.py results file"):
+        bench.read_results(str(tmp_path / "bad.json"))

@@ -3,8 +3,8 @@ distributed as the target's processed distribution given everything before it.
 
 The reference is independent of speculate.py: transformers' own temperature and top-p logits
 warpers, then a softmax, over one plain target forward of the finished sequence. The target is
-the lookup target of tests/lookup_fixture.py with soft logits (its favourite token has about 45%
-of the mass), the draft its hand-built draft, which is much more confident (so acceptance,
+the lookup target of tests/lookup_fixture.py with soft logits (its table's token has about 45%
+of the mass; small random weights break every tie, so the top-p set is unambiguous), the draft its hand-built draft, which is much more confident (so acceptance,
 rejection and residual sampling all happen often, at every depth).
 
 For a correct sampler the emitted tokens x_k satisfy P(x_k = v | past) = p_k(v), so pooled over
@@ -26,22 +26,22 @@ import speculate
 from lookup_fixture import lookup_prompts, make_draft, make_target
 from speculate import Speculator
 
-RUNS, NEW = 60, 40
+RUNS, NEW = 40, 40
 
 
 @pytest.fixture(scope="module")
 def soft():
-    t = make_target(seed=0, beta=0.6)
+    t = make_target(seed=0, beta=0.6, noise=0.1)
     return t, make_draft(t, seed=0, err=0.1)
 
 
 def reference_probs(logits, temperature, top_p):
     """[T, V] logits -> the processed distributions, by transformers' warpers (not speculate.py)."""
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
-    x = TemperatureLogitsWarper(temperature)(None, logits.double())
+    x = TemperatureLogitsWarper(temperature)(None, logits.double().reshape(-1, logits.shape[-1]))
     if top_p < 1:
         x = TopPLogitsWarper(top_p)(None, x)
-    return torch.softmax(x, -1)
+    return torch.softmax(x, -1).reshape(logits.shape)
 
 
 def emitted_with_reference(spec, target, temperature, top_p, seed=0):
@@ -134,7 +134,7 @@ class Depth1Q(Speculator):
 
 @pytest.mark.parametrize("wrong,cfg,temperature,top_p", [
     ("always-accept", (3, 1, 4), 0.7, 0.9), ("always-accept", (4, 3, 8), 0.8, 0.8),
-    ("depth-1-q", (3, 1, 4), 1.0, 1.0), ("depth-1-q", (3, 1, 4), 0.7, 0.9),
+    ("depth-1-q", (3, 1, 4), 1.0, 1.0),
     ("no-temperature-no-top-p", (3, 1, 4), 0.7, 0.9),
     ("no-temperature-no-top-p", (4, 3, 8), 0.8, 0.8)])
 def test_wrong_samplers_fail(soft, monkeypatch, wrong, cfg, temperature, top_p):

@@ -425,7 +425,7 @@ def test_layer_ids_must_be_sorted_and_distinct():
     from common import UserError
     assert sglang_engine.check_layer_ids([1, 14, 26], 30) == [1, 14, 26]
     for bad in ([14, 1, 26], [1, 1, 26], [1, 14, 29], [-1, 2, 3]):
-        with pytest.raises(UserError):
+        with pytest.raises(UserError, match=r"layer"):
             sglang_engine.check_layer_ids(bad, 30)
 
 
@@ -683,8 +683,17 @@ def test_aux_layers_mean_the_same_layers_in_both_engines(sgl, vllm, checkpoint):
     assert DraftConfig.from_json(cfg).aux_layer_ids == [0, 3, 6]
 
 
-def test_d2t_offsets_match_both_engines(checkpoint, tmp_path):
-    """d2t holds offsets: target id = draft id + d2t (SGLang hot_token_id, vLLM targets)."""
+def test_d2t_offsets_match_both_engines(sgl, vllm, checkpoint, tmp_path):
+    """d2t holds offsets: target id = draft id + d2t. Read from both engines' loaders: SGLang
+    turns d2t into hot_token_id = d2t + arange, vLLM maps draft logits to targets = arange + d2t
+    (its draft_id_to_target_id); both applied below to the d2t we save."""
+    sg = sgl.text("sglang/srt/models/llama_eagle3.py")
+    assert 'if "d2t" in name:' in sg
+    assert "self.hot_token_id = loaded_weight + torch.arange(loaded_weight.shape[0])" in sg
+    vl = vllm.text("vllm/model_executor/models/llama_eagle3.py")
+    assert 'name = name.replace("d2t", "draft_id_to_target_id")' in vl
+    assert "base = torch.arange(self.config.draft_vocab_size, device=logits.device)" in vl
+    assert "targets = base + self.draft_id_to_target_id" in vl
     from safetensors.torch import load_file
     from model import Eagle3Draft, config_from_target
     target = make_tiny_target(vocab_size=64, hidden_size=32, layers=8)
@@ -699,7 +708,11 @@ def test_d2t_offsets_match_both_engines(checkpoint, tmp_path):
         draft.t2d[ids] = True
     draft.save_pretrained(str(tmp_path))
     sd = load_file(str(tmp_path / "model.safetensors"))
-    assert torch.equal(sd["d2t"] + torch.arange(4), ids) and sd["t2d"].sum() == 4
+    loaded_weight = sd["d2t"]
+    hot_token_id = loaded_weight + torch.arange(loaded_weight.shape[0])          # SGLang
+    targets = torch.arange(cfg.draft_vocab_size) + sd["d2t"]                      # vLLM
+    assert torch.equal(hot_token_id, ids) and torch.equal(targets, ids)
+    assert sd["t2d"].sum() == 4 and bool(sd["t2d"][ids].all())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ Needs the environment of requirements-sglang-cpu.txt (a fresh venv, `pip install
 requirements-sglang-cpu.txt`); in the default environment every test here is skipped with that
 reason. Two binary packages are replaced by test-only stand-ins (tests/sglang_cpu_shims/README.md):
 `sgl_kernel` (CUDA-only on PyPI; each `*_cpu` name raises if called) and `torchvision` (the PyPI
-build needs CUDA torch). No SGLang Python code is replaced.
+build needs CUDA torch). No SGLang Python code is replaced. The EAGLE3 worker tests at the end put
+tests/sglang_cpu_spec_shims/ first instead: the same `sgl_kernel` with the eleven CPU ops SGLang's
+speculative path calls, in pure torch (tested on their own in tests/test_sglang_spec_kernels.py).
 
 Each SGLang ModelRunner lives in its own process: it publishes process-wide config and starts a
 process group, so one per process. Run: python -m pytest -q -k sglang tests
@@ -362,7 +364,8 @@ def serve_prompts(url, prompt_ids, max_new_tokens, stop):
 @pytest.fixture(scope="module")
 def shipped_reference():
     """The shipped draft on the default target, float32, in this process: transformers' greedy
-    output and speculate.py --sglang-positions (chain 3/1/4 and tree 3/4/8) on SPEC_PROMPTS."""
+    output and speculate.py (chain 3/1/4 and tree 3/4/8) on SPEC_PROMPTS, with its default draft
+    positions and with --sglang-positions (`spec[(steps, topk, n, sglang_positions)]`)."""
     from common import chat_prompt_ids, load_target, stop_token_ids
     from model import load_draft_for
     from speculate import Speculator
@@ -378,8 +381,9 @@ def shipped_reference():
         greedy.append(out[0, len(x):].tolist())
     spec = {}
     for steps, topk, n in [(3, 1, 4), (3, 4, 8)]:
-        s = Speculator(target, draft, steps, topk, n, stop_ids=stop, sglang_positions=True)
-        spec[(steps, topk, n)] = [s.generate(x, SPEC_MAX_NEW) for x in ids]
+        for shift in (False, True):
+            s = Speculator(target, draft, steps, topk, n, stop_ids=stop, sglang_positions=shift)
+            spec[(steps, topk, n, shift)] = [s.generate(x, SPEC_MAX_NEW) for x in ids]
     return {"ids": ids, "stop": stop, "greedy": greedy, "spec": spec}
 
 
@@ -419,27 +423,44 @@ def test_sglang_eagle3_worker_serves_shipped_draft(steps, topk, n_draft, tol, sh
     t2 = time.time()
     # lossless: the target's greedy output, SGLang's plain decoding, speculate.py's tokens
     assert outs == sglang_plain_outputs == ref["greedy"]
-    spec = ref["spec"][(steps, topk, n_draft)]
-    assert [o for o, _ in spec] == ref["greedy"]
+    spec = ref["spec"][(steps, topk, n_draft, True)]        # speculate.py --sglang-positions
+    plain = ref["spec"][(steps, topk, n_draft, False)]      # speculate.py's default positions
+    assert [o for o, _ in spec] == [o for o, _ in plain] == ref["greedy"]
     # SGLang's counters: every request speculated, one verify round per streamed chunk after
     # the prefill's, the chunks add up to completion_tokens
     for m, c, o in zip(metas, chunks, outs):
         assert m["completion_tokens"] == len(o) == sum(c) and c[0] == 1
         assert m["spec_verify_ct"] == len(c) - 1 > 0
     # accept length, pooled (all completion tokens / all verify rounds) on both sides
+    def pooled(runs):
+        return sum(s["new_tokens"] for _, s in runs) / sum(s["rounds"] for _, s in runs)
     sgl_al = sum(m["completion_tokens"] for m in metas) / sum(m["spec_verify_ct"] for m in metas)
-    ours_al = sum(s["new_tokens"] for _, s in spec) / sum(s["rounds"] for _, s in spec)
-    lines = []
-    for i, (c, (_, s)) in enumerate(zip(chunks, spec)):
-        a, b = c[1:], round_sizes(s)
-        first = next((r for r in range(min(len(a), len(b))) if a[r] != b[r]), None)
-        lines.append(f"prompt {i}: SGLang {len(a)} rounds, speculate.py {len(b)}" + (
-            "" if first is None else f"; first different round {first}: SGLang committed "
-            f"{a[first]} tokens, speculate.py {b[first]} (tokens {sum(b[:first]) + 1}..)"))
+    shifted_al, plain_al = pooled(spec), pooled(plain)
+    # round by round: the tokens each verify round committed, SGLang's (one streamed chunk per
+    # round) against speculate.py's, with either position convention
+    lines, same = [], {False: True, True: True}
+    for i, c in enumerate(chunks):
+        line = f"prompt {i}: SGLang {len(c) - 1} rounds"
+        for shift, runs in [(False, plain), (True, spec)]:
+            a, b = c[1:], round_sizes(runs[i][1])
+            first = next((r for r in range(max(len(a), len(b)))
+                          if r >= min(len(a), len(b)) or a[r] != b[r]), None)
+            same[shift] &= first is None
+            line += f"; {'--sglang-positions' if shift else 'default positions'} {len(b)}" + (
+                ", every round equal" if first is None else
+                f", round {first} differs (SGLang {a[first:first + 1]}, speculate.py "
+                f"{b[first:first + 1]} tokens, from output token {sum(b[:first]) + 1})")
+        lines.append(line)
     print(f"{steps}/{topk}/{n_draft}: server up in {t1 - t0:.0f} s, {len(outs)} prompts x "
           f"{SPEC_MAX_NEW} tokens in {t2 - t1:.0f} s; accept length SGLang {sgl_al:.3f}, "
-          f"speculate.py --sglang-positions {ours_al:.3f}\n  " + "\n  ".join(lines))
-    assert abs(sgl_al - ours_al) <= tol * ours_al, (sgl_al, ours_al, lines)
+          f"speculate.py {plain_al:.3f} (default positions) / {shifted_al:.3f} "
+          f"(--sglang-positions)\n  " + "\n  ".join(lines))
+    assert abs(sgl_al - shifted_al) <= tol * shifted_al, (sgl_al, shifted_al, lines)
+    # the difference explained to the token: SGLang 0.5.23 runs the draft's decode steps at
+    # speculate.py's default positions (eagle_worker_common.py:357-360: the first at seq_lens,
+    # the bonus token's own position; +1 per step, eagle_worker_v2.py:880/888), so with those
+    # every round commits the same tokens on both sides
+    assert same[False] and sgl_al == plain_al, lines
 
 
 def test_sglang_eagle3_worker_tiny_random_target(tmp_path):

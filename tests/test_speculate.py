@@ -5,8 +5,8 @@ draft (almost nothing accepted) and with a hand-built draft that agrees with the
 the time (full acceptance, bonus tokens, EOS inside an accepted run, the max-new-tokens cut).
 
 Sampling: the empirical distribution of the first three generated tokens over many seeded runs is
-within a stated total-variation bound of the target's exact distribution, and a deliberately wrong
-acceptance rule fails the same bound (so the test can fail).
+within a stated total-variation bound of the target's exact distribution. tests/test_sampling.py
+checks every token of many rounds, and that deliberately wrong samplers fail it.
 """
 import math
 
@@ -185,8 +185,10 @@ def test_high_acceptance_draft_really_accelerates_in_rounds():
 # Sampling
 
 def exact_first3(t, prompt, temperature, top_p):
-    """Exact joint distribution of the first three sampled tokens, by enumeration."""
-    from speculate import target_probs
+    """Exact joint distribution of the first three sampled tokens, by enumeration. The processed
+    distribution comes from transformers' own warpers, not from speculate.target_probs (the
+    function under test)."""
+    from test_sampling import reference_probs as target_probs
     V = t.config.vocab_size
     with torch.no_grad():
         base = torch.tensor([prompt])
@@ -209,19 +211,6 @@ def tv_bound(k, n, delta=1e-6):
     return 0.5 * math.sqrt(k / n) + math.sqrt(math.log(1 / delta) / (2 * n))
 
 
-class AlwaysAccept(Speculator):
-    """A wrong rule (accept every drafted token): must FAIL the same test."""
-
-    def accept_sample(self, tree, logits, gen):
-        path = [0]
-        while True:
-            kids = [r for r in range(1, len(tree.tokens)) if tree.parent[r] == path[-1]]
-            if not kids:
-                from speculate import sample, target_probs
-                return path, sample(target_probs(logits[path[-1]], self.temperature, self.top_p), gen)
-            path.append(kids[0])
-
-
 def sample_runs(cls, t, d, cfg, prompt, n, temperature, top_p):
     V = t.config.vocab_size
     spec = cls(t, d, *cfg, temperature=temperature, top_p=top_p, stop_ids=())
@@ -236,7 +225,9 @@ def sample_runs(cls, t, d, cfg, prompt, n, temperature, top_p):
 @pytest.mark.parametrize("cfg,temperature,top_p", [((3, 1, 4), 1.0, 1.0), ((3, 1, 4), 0.7, 0.9),
                                                    ((3, 3, 7), 1.0, 1.0)])
 def test_sampling_preserves_target_distribution(cfg, temperature, top_p):
-    V, n = 12, 2500
+    """Joint distributions of the first tokens against exact enumeration. (tests/test_sampling.py
+    checks every token of many rounds, with negative controls for chains and trees.)"""
+    V, n = 12, 1500
     t = make_tiny_target(vocab_size=V, hidden_size=32, layers=6, seed=3)
     with torch.no_grad():
         t.lm_head.weight.mul_(12)     # peaked enough that the draft's q differs a lot from p
@@ -255,8 +246,3 @@ def test_sampling_preserves_target_distribution(cfg, temperature, top_p):
               "token 3": (counts.sum((0, 1)), exact.sum((0, 1)), V)}
     for name, (c, p, k) in checks.items():
         assert tv(c, p) < tv_bound(k, n), (name, tv(c, p), tv_bound(k, n))
-    if cfg == (3, 1, 4) and temperature == 1.0:
-        bad = sample_runs(AlwaysAccept, t, d, cfg, prompt, n, temperature, top_p)
-        worst = max(tv(bad.sum((0, 2)), exact.sum((0, 2))) / tv_bound(V, n),
-                    tv(bad.sum((0, 1)), exact.sum((0, 1))) / tv_bound(V, n))
-        assert worst > 1.0, "the test has no power: a wrong acceptance rule passed it"

@@ -181,3 +181,13 @@ def test_cli_export(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "model.py"), fixture("eagle3"),
                         "--export", "speculators"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and r.stderr.strip() == "error: --export needs --out DIR"
+
+
+def test_bench_sglang_backend_refuses_speculators_layout(tmp_path):
+    """bench.py's SGLang path would hand the draft to SGLang, which has no class for this layout:
+    one line saying so and how to convert, before any model is loaded."""
+    import bench
+    make_tiny_target().save_pretrained(str(tmp_path / "t"))
+    with pytest.raises(UserError, match="export sglang"):
+        bench.main(["--backend", "sglang", "--target", str(tmp_path / "t"),
+                    "--draft", fixture("eagle3"), "--config-list", "1,3,1,4"])

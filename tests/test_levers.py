@@ -1,0 +1,114 @@
+"""Training levers of issue 23 (train.py flags; the ablations that rank them are runs, not tests):
+--ttt-loss-rows chain (step j's loss only where steps 0..j-1 were right), --lm-head-init target
+and --freeze-lm-head."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ttt
+from test_train import FP32, build_data, run_train, save_tiny_target, tiny_draft, V, VD
+
+
+def test_chain_rows_loss_is_the_masked_sum():
+    """chain: sum_j 0.8^j sum_{valid rows with steps 0..j-1 right} ce_j / (all valid rows of j);
+    the statistics and the per-row correctness are those of the plain loss."""
+    draft = tiny_draft()
+    B, T, J = 2, 10, 3
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
+    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
+    valid = torch.rand(J, B, T, generator=g) < 0.8
+    for j in range(J):
+        valid[j, :, T - j - 2:] = False
+    denom = valid.sum((1, 2)).float()
+    with torch.no_grad():
+        # a target that agrees with the draft's own step-0 argmax on half the rows, so some
+        # chains survive step 0 and some do not
+        h0 = next(ttt.ttt_unroll(draft, ids, aux, 1))
+        own = draft.lm_head(draft.norm(h0)).argmax(-1).reshape(-1)
+        argmax = targ_p.argmax(-1)
+        pick = torch.rand(B * T, generator=g) < 0.5
+        argmax[1:][pick[:-1]] = own[:-1][pick[:-1]]      # the target at t+1 for row t
+        args = (ids, aux, targ_p, argmax, valid, denom, 1.0)
+        plain, st, corr = ttt.TTTLoss(draft, J)(*args)
+        chain, st2, corr2 = ttt.TTTLoss(draft, J, chain_rows=True)(*args)
+        assert torch.equal(st, st2) and torch.equal(corr, corr2)
+        ref = 0.0
+        for j, h2 in enumerate(ttt.ttt_unroll(draft, ids, aux, J)):
+            lg = draft.lm_head(draft.norm(h2)).reshape(B * T, -1).float()
+            for r in range(B * T):
+                if valid[j].reshape(-1)[r] and all(corr[i, r] for i in range(j)):
+                    ce = torch.logsumexp(lg[r], -1) - (targ_p[r + j + 1] * lg[r]).sum()
+                    ref += 0.8 ** j * ce / denom[j]
+    survivors = [int((corr[:j].all(0) & valid[j].reshape(-1)).sum()) for j in range(1, J)]
+    assert 0 < survivors[0] < int(valid[1].sum()), survivors   # the mask drops some, keeps some
+    assert abs(chain.item() - float(ref)) < 1e-4
+    assert chain.item() < plain.item()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("levers")
+    tdir = save_tiny_target(root / "t")
+    return tdir, build_data(root / "data", tdir, n=8)
+
+
+def test_lm_head_from_target_and_frozen(tmp_path, dirs):
+    from common import load_target
+    tdir, data = dirs
+    out = str(tmp_path / "run")
+    run_train(["--data", data, "--out", out, "--offline", "--batch-size", "2", "--max-steps", "2",
+               "--ttt-length", "2", "--lr", "1e-2", "--lm-head-init", "target", "--freeze-lm-head",
+               "--ttt-loss-rows", "chain", "--export-dtype", "float32"] + FP32)
+    import rundir
+    ck = rundir.list_checkpoints(out)[-1]
+    sd = load_file(os.path.join(ck, "model.safetensors"))
+    target, _ = load_target(tdir)
+    ids = sd["d2t"] + torch.arange(VD)
+    assert torch.equal(sd["lm_head.weight"], target.lm_head.weight[ids].float())   # never moved
+    fresh = str(tmp_path / "fresh")
+    run_train(["--data", data, "--out", fresh, "--offline", "--batch-size", "2", "--max-steps", "2",
+               "--ttt-length", "2", "--lr", "1e-2", "--lm-head-init", "target",
+               "--export-dtype", "float32"] + FP32)
+    sd2 = load_file(os.path.join(rundir.list_checkpoints(fresh)[-1], "model.safetensors"))
+    assert not torch.equal(sd2["lm_head.weight"], sd["lm_head.weight"])           # trained
+
+
+def test_keep_best_is_the_best_held_out_eval(tmp_path, dirs):
+    from common import load_target
+    from model import load_draft_for
+    tdir, data = dirs
+    out = str(tmp_path / "run")
+    run_train(["--data", data, "--out", out, "--offline", "--batch-size", "2", "--max-steps", "6",
+               "--ttt-length", "2", "--lr", "3e-2", "--eval-every", "1", "--eval-fraction", "0.25",
+               "--keep-best", "--save-every", "1", "--keep", "10", "--export-dtype", "float32"] + FP32)
+    evals = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
+    evals = [r for r in evals if r["split"] == "eval"]
+    assert len(evals) == 6
+    best = json.load(open(os.path.join(out, "best", "best.json")))
+    top = max(r["replay_accept_3"] for r in evals)
+    first = next(r for r in evals if r["replay_accept_3"] == top)   # the earliest of equals
+    assert best["step"] == first["step"] and best["eval"]["replay_accept_3"] == top
+    target, _ = load_target(tdir)
+    load_draft_for(os.path.join(out, "best"), target)
+    # the same weights as that step's checkpoint
+    a = load_file(os.path.join(out, "best", "model.safetensors"))
+    b = load_file(os.path.join(out, "checkpoints", f"step-{best['step']:06d}", "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--freeze-lm-head"], "would freeze a random lm_head"),
+    (["--keep-best", "--eval-fraction", "0"], "needs --eval-fraction > 0"),
+    (["--lm-head-init", "target", "--init", "x"], "--init brings its own"),
+])
+def test_lever_flag_errors(extra, msg):
+    import train
+    from common import UserError
+    args = train.parse_args(["--data", "d", "--out", "o"] + extra)
+    with pytest.raises(UserError, match=msg):
+        train.check_args(args)
