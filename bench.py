@@ -693,6 +693,7 @@ def main(argv=None):
                             f"writes the same draft in SGLang's layout")
         for c in args.config_list:
             parse_config(c, dcfg.draft_vocab_size)   # topk must fit the draft vocabulary
+    compare = read_results(args.compare) if args.compare else None
     benches = [parse_benchmark(b) for b in args.benchmark_list]
     if len({b[0] for b in benches}) != len(benches):
         raise UserError("--benchmark-list names the same benchmark twice")
@@ -750,8 +751,8 @@ def main(argv=None):
                "machine": machine_info(device), "versions": versions(args.backend),
                "settings": settings, "results": results}
     print(format_table(results))
-    if args.compare:
-        print(format_comparison(results, read_results(args.compare), args.compare))
+    if compare is not None:
+        print(format_comparison(results, compare, args.compare))
     png = args.plot or os.path.splitext(args.output)[0] + ".png"
     write_outputs(payload, args.output, png)
     print(f"wrote {args.output} and {png}", file=sys.stderr)

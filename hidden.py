@@ -265,6 +265,11 @@ class Online:
             except queue.Empty:
                 if not self.proc.is_alive():
                     raise UserError("the target producer process died (out of memory?)")
+            except (ConnectionError, EOFError):
+                # the item's tensors live in the producer's shared memory, fetched from it on
+                # unpickling: a producer that died after queueing them cannot hand them over
+                raise UserError("the target producer process died (out of memory?) while "
+                                "handing over hidden states")
         self.wait += time.perf_counter() - t0
         if got == "error":
             raise UserError(item)

@@ -21,8 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("MUTANTS_DIR", "/root/scratch/mutants")
 
 LK = "tests/test_lookup.py"
+TREE = LK + "::test_tree_accepts_deep_paths_and_beats_the_chain"
+CHAIN = LK + "::test_chain_accepts_exactly_what_the_draft_table_predicts"
+POS = LK + "::test_draft_positions"
 SP = "tests/test_speculate.py"
-SAMPLING = "tests/test_sampling.py"
+SAMPLING = "tests/test_sampling.py::test_every_emitted_token_has_the_target_distribution"
 TRAIN = "tests/test_train.py"
 BAD = "tests/test_bad_inputs.py"
 
@@ -32,85 +35,85 @@ MUTANTS = [
     # ---- tree verification (the target side) ----
     ("verify-mask-root-parent-self", "speculate.py",
      "                anc[r] = anc[tree.parent[r]]\n",
-     "                anc[r, 0] = anc[r, tree.parent[r]] = True\n", [LK]),
+     "                anc[r, 0] = anc[r, tree.parent[r]] = True\n", [TREE]),
     ("verify-mask-no-ancestors", "speculate.py",
-     "                anc[r] = anc[tree.parent[r]]\n", "                pass\n", [LK]),
+     "                anc[r] = anc[tree.parent[r]]\n", "                pass\n", [TREE]),
     ("verify-positions-plus-one", "speculate.py",
      "        pos = (n + torch.tensor(tree.depth, device=self.device))[None]",
-     "        pos = (n + 1 + torch.tensor(tree.depth, device=self.device))[None]", [LK]),
+     "        pos = (n + 1 + torch.tensor(tree.depth, device=self.device))[None]", [TREE]),
     ("verify-positions-all-depth-1", "speculate.py",
      "        pos = (n + torch.tensor(tree.depth, device=self.device))[None]",
      "        pos = (n + torch.tensor([min(x, 1) for x in tree.depth], device=self.device))[None]",
-     [LK]),
+     [TREE]),
     ("tree-kv-crop-not-gather", "speculate.py",
-     "    contiguous = rows == list(range(k))", "    contiguous = True", [LK]),
+     "    contiguous = rows == list(range(k))", "    contiguous = True", [TREE]),
     ("accept-greedy-wrong-bonus", "speculate.py",
-     "                return path, best[cur]", "                return path, best[path[0]]", [LK]),
+     "                return path, best[cur]", "                return path, best[path[0]]", [CHAIN]),
     # ---- tree drafting ----
     ("draft-tree-mask-ignores-ancestry", "speculate.py",
      "            mask = torch.cat([torch.ones(K, n, dtype=torch.bool, device=dev), anc], 1)[None, None]",
      "            mask = torch.cat([torch.ones(K, n, dtype=torch.bool, device=dev), "
-     "torch.ones_like(anc)], 1)[None, None]", [LK]),
+     "torch.ones_like(anc)], 1)[None, None]", [TREE]),
     ("draft-tree-positions-plus-one", "speculate.py",
      "            pos = torch.full((1, K), n + depth - 2 + self.pos_shift, device=dev)",
-     "            pos = torch.full((1, K), n + depth - 1 + self.pos_shift, device=dev)", [LK]),
+     "            pos = torch.full((1, K), n + depth - 1 + self.pos_shift, device=dev)", [TREE]),
     ("draft-tree-positions-minus-one", "speculate.py",
      "            pos = torch.full((1, K), n + depth - 2 + self.pos_shift, device=dev)",
-     "            pos = torch.full((1, K), n + depth - 3 + self.pos_shift, device=dev)", [LK]),
+     "            pos = torch.full((1, K), n + depth - 3 + self.pos_shift, device=dev)", [TREE]),
     ("draft-tree-wrong-parent-state", "speculate.py",
      "            front_feat, anc = h[0][best // K], anc[best // K]",
-     "            front_feat, anc = h[0][best % K], anc[best // K]", [LK]),
+     "            front_feat, anc = h[0][best % K], anc[best // K]", [TREE]),
     ("draft-tree-wrong-parent-ancestry", "speculate.py",
      "            front_feat, anc = h[0][best // K], anc[best // K]",
-     "            front_feat, anc = h[0][best // K], anc[best % K]", [LK]),
+     "            front_feat, anc = h[0][best // K], anc[best % K]", [TREE]),
     ("draft-tree-ids-without-d2t", "speculate.py",
      "            lg, h = self.draft(self.draft_ids[front_tok][None], front_feat[None], pos,",
-     "            lg, h = self.draft(front_tok[None], front_feat[None], pos,", [LK]),
+     "            lg, h = self.draft(front_tok[None], front_feat[None], pos,", [TREE]),
     ("draft-tree-root-feature-at-every-depth", "speculate.py",
      "            front_feat, anc = h[0][best // K], anc[best // K]",
-     "            anc = anc[best // K]", [LK]),
+     "            anc = anc[best // K]", [TREE]),
     ("draft-tree-drops-a-node", "speculate.py",
      "        order = torch.sort(score, descending=True, stable=True).indices[:self.num_draft_tokens - 1]",
      "        order = torch.sort(score, descending=True, stable=True).indices[:self.num_draft_tokens - 2]",
-     [LK]),
+     [TREE]),
     ("draft-tree-parents-flattened-to-root", "speculate.py",
      "                    parent=[-1] + [row_of.get(parent[p], 0) for p in keep],",
-     "                    parent=[-1] + [0 for p in keep],", [LK]),
+     "                    parent=[-1] + [0 for p in keep],", [TREE]),
     # ---- chain drafting and the commit ----
     ("draft-chain-positions-plus-one", "speculate.py",
      "            pos = torch.tensor([[n + i + self.pos_shift]], device=self.device)",
-     "            pos = torch.tensor([[n + i + 1 + self.pos_shift]], device=self.device)", [LK]),
+     "            pos = torch.tensor([[n + i + 1 + self.pos_shift]], device=self.device)", [CHAIN]),
     ("draft-chain-positions-minus-one", "speculate.py",
      "            pos = torch.tensor([[n + i + self.pos_shift]], device=self.device)",
-     "            pos = torch.tensor([[n + i - 1 + self.pos_shift]], device=self.device)", [LK]),
+     "            pos = torch.tensor([[n + i - 1 + self.pos_shift]], device=self.device)", [CHAIN]),
     ("draft-chain-feeds-the-root", "speculate.py",
      "            lg, h = self.draft(torch.tensor([[toks[-1]]], device=self.device), f[None, None],",
      "            lg, h = self.draft(torch.tensor([[self.root]], device=self.device), f[None, None],",
-     [LK]),
+     [CHAIN]),
     ("draft-chain-ids-without-d2t", "speculate.py",
-     "            toks.append(int(self.draft_ids[d]))", "            toks.append(int(d))", [LK]),
+     "            toks.append(int(self.draft_ids[d]))", "            toks.append(int(d))", [CHAIN]),
     ("draft-chain-stale-feature", "speculate.py",
-     "            logits, f = lg[0, -1], h[0, -1]", "            logits = lg[0, -1]", [LK]),
+     "            logits, f = lg[0, -1], h[0, -1]", "            logits = lg[0, -1]", [CHAIN]),
     ("commit-reextends-wrong-rows", "speculate.py",
      "                self.last = self.draft_extend(aux[path], new, n)",
-     "                self.last = self.draft_extend(aux[:len(path)], new, n)", [LK]),
+     "                self.last = self.draft_extend(aux[:len(path)], new, n)", [CHAIN]),
     ("commit-reextends-at-wrong-position", "speculate.py",
      "                self.last = self.draft_extend(aux[path], new, n)",
-     "                self.last = self.draft_extend(aux[path], new, n + 1)", [LK]),
+     "                self.last = self.draft_extend(aux[path], new, n + 1)", [CHAIN]),
     ("draft-cache-not-cropped", "speculate.py",
      "            self.dcache.len = n                     # forget the draft's own speculative rows",
-     "            pass", [LK]),
+     "            pass", [CHAIN]),
     ("extend-positions-plus-one", "speculate.py",
      "        pos = torch.arange(n, n + T, device=self.device)[None]",
-     "        pos = torch.arange(n + 1, n + T + 1, device=self.device)[None]", [LK]),
+     "        pos = torch.arange(n + 1, n + T + 1, device=self.device)[None]", [CHAIN]),
     ("prefill-pairs-wrong-tokens", "speculate.py",
      "            self.last = self.draft_extend(aux, list(prompt_ids[1:]) + [self.root], 0)",
-     "            self.last = self.draft_extend(aux, list(prompt_ids), 0)", [LK]),
+     "            self.last = self.draft_extend(aux, list(prompt_ids), 0)", [CHAIN]),
     ("sglang-positions-ignored", "speculate.py",
-     "        self.pos_shift = 1 if sglang_positions else 0", "        self.pos_shift = 0", [LK]),
+     "        self.pos_shift = 1 if sglang_positions else 0", "        self.pos_shift = 0", [POS]),
     ("sglang-positions-backwards", "speculate.py",
      "        self.pos_shift = 1 if sglang_positions else 0",
-     "        self.pos_shift = -1 if sglang_positions else 0", [LK]),
+     "        self.pos_shift = -1 if sglang_positions else 0", [POS]),
     # ---- training-time test: the same row/position convention as decoding ----
     ("ttt-positions-plus-one", "ttt.py",
      "        cos, sin = draft.rotary(pos + j, g.dtype)",
@@ -246,9 +249,12 @@ def main():
     ap.add_argument("-k", default="", help="only mutants whose name contains this")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmodified run")
+    ap.add_argument("--from", dest="start", default=None, help="start at this mutant (resume a run)")
     ap.add_argument("--timeout", type=int, default=900)
     args = ap.parse_args()
     todo = [m for m in MUTANTS if args.k in m[0]]
+    if args.start:
+        todo = todo[[m[0] for m in todo].index(args.start):]
     if args.list:
         for name, f, *_ , tests in todo:
             print(f"{name:45s} {f:14s} {' '.join(tests)}")

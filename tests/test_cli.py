@@ -54,16 +54,24 @@ def test_model_cli_creates_and_describes(tmp_path):
                       "--draft-vocab-size")
 
 
-def test_speculate_check_on_default_target(tmp_path, default_cfg):
-    d = make_draft(tmp_path / "d", default_cfg)
+SHIPPED_DRAFT = os.path.join(ROOT, "drafts", "smollm2-135m-eagle3-11k2")   # README's main command
+
+
+@pytest.mark.skipif(not os.path.isdir(SHIPPED_DRAFT), reason="the shipped draft is not checked out")
+def test_speculate_check_on_default_target(tmp_path):
+    """--check on the real target with a trained draft, chain and tree: identical outputs AND
+    drafts accepted (a random draft accepts nothing, so it would prove nothing about the
+    verify / commit paths)."""
     out = tmp_path / "r.json"
-    for extra in [[], ["--steps", "3", "--topk", "2", "--num-draft-tokens", "6"]]:
-        r = run("speculate.py", "--draft", d, "--prompt", "Name a colour.", "--max-new-tokens", "12",
-                "--dtype", "float32", "--check", "--json", str(out), *extra)
+    for extra, lo in [([], 1.3), (["--steps", "3", "--topk", "2", "--num-draft-tokens", "6"], 1.4)]:
+        r = run("speculate.py", "--draft", SHIPPED_DRAFT, "--prompt", "Name three colours.",
+                "--max-new-tokens", "24", "--dtype", "float32", "--check", "--json", str(out), *extra)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "1/1 outputs identical" in r.stdout
         rec = json.loads(out.read_text())
-        assert rec["summary"]["mismatches"] == 0 and len(rec["records"][0]["tokens"]) <= 12
+        assert rec["summary"]["mismatches"] == 0 and len(rec["records"][0]["tokens"]) <= 24
+        assert rec["summary"]["accept_length"] > lo, rec["summary"]
+        assert max(rec["records"][0]["accepted"]) >= 2, rec["records"][0]["accepted"]
 
 
 def test_speculate_bad_inputs(tmp_path, default_cfg):

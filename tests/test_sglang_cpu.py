@@ -487,3 +487,83 @@ def test_sglang_eagle3_worker_tiny_random_target(tmp_path):
                                   eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         assert out == ref
         assert m["spec_verify_ct"] == len(c) - 1 > 0 and sum(c) == len(out) == 16
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts (model.py "Layouts"): SGLang's own loader and EAGLE3 worker on a draft with every
+# option on: fc_norm, norm_before_fc, norm_output, three decoder layers, five aux layers
+
+def layout_draft(target, aux, vd, path, seed=0):
+    import dataclasses
+    from model import Eagle3Draft, config_from_target
+    cfg = config_from_target(target.config, draft_vocab_size=vd, aux_layer_ids=aux)
+    cfg = dataclasses.replace(cfg, fc_norm=True, norm_before_fc=True, norm_output=True,
+                              num_hidden_layers=3)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    with torch.no_grad():   # distinct values everywhere (norm weights too)
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.copy_(1 + 0.3 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))
+    draft.set_vocab(torch.arange(0, 2 * vd, 2)[:vd] if 2 * vd <= cfg.vocab_size else torch.arange(vd))
+    draft.save_pretrained(str(path), dtype=torch.float32)
+    return draft.eval()
+
+
+def test_sglang_loader_takes_every_layout_tensor(tmp_path):
+    from safetensors.torch import load_file
+    target = make_tiny_target(vocab_size=128, hidden_size=64, layers=8, heads=4, kv_heads=2)
+    layout_draft(target, [0, 1, 3, 4, 6], 48, tmp_path / "draft")
+    ours = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    params, hot = in_sglang_process(_sglang_draft_params, str(tmp_path / "draft"))
+    cat = torch.cat
+    want = {"lm_head.weight": ours["lm_head.weight"], "model.fc.weight": ours["fc.weight"],
+            "model.norm.weight": ours["norm.weight"],
+            "model.input_norm.weight": ours["input_norm.weight"]}
+    want.update({f"model.fc_norm.{i}.weight": ours[f"fc_norm.{i}.weight"] for i in range(5)})
+    for i in range(3):
+        m = "midlayer." if i == 0 else f"layers.{i}."
+        want[f"model.layers.{i}.self_attn.qkv_proj.weight"] = cat(
+            [ours[m + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        want[f"model.layers.{i}.mlp.gate_up_proj.weight"] = cat(
+            [ours[m + "mlp.gate_proj.weight"], ours[m + "mlp.up_proj.weight"]])
+        for n in ["hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
+                  "mlp.down_proj"]:
+            want[f"model.layers.{i}.{n}.weight"] = ours[f"{m}{n}.weight"]
+    assert params["model.layers.1.self_attn.qkv_proj.weight"].shape[1] == 64   # H, not 2H
+    assert params["model.fc.weight"].shape == (64, 5 * 64)
+    assert set(params) == set(want) | {"model.embed_tokens.weight"}
+    for k, v in want.items():   # lm_head is padded to a multiple of 64 rows by ParallelLMHead
+        assert torch.equal(params[k][:v.shape[0]], v) and not params[k][v.shape[0]:].any(), k
+    assert torch.equal(hot, torch.arange(0, 96, 2))
+
+
+def test_sglang_eagle3_worker_layout_draft(tmp_path):
+    """SGLang's EAGLE3 worker decodes with the every-option draft as speculate.py does: the
+    target's greedy output, and round by round the same committed tokens (speculate.py's default
+    positions, which SGLang 0.5.23's draft loop uses: see the shipped-draft test). A 16-token
+    vocabulary, so a random draft is right often enough for the rounds to differ."""
+    from bench import Config
+    from speculate import Speculator
+    target = make_tiny_target(vocab_size=16, hidden_size=64, layers=8, heads=4, kv_heads=2)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+    target.save_pretrained(tmp_path / "tiny")
+    draft = layout_draft(target, [0, 1, 3, 4, 6], 16, tmp_path / "draft", seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 16, (n,), generator=g).tolist() for n in (7, 12, 19)]
+    spec = Speculator(target, draft, 3, 1, 4, stop_ids=())
+    ours = [spec.generate(p, 32) for p in prompts]
+    with served(str(tmp_path / "tiny"), str(tmp_path / "draft"), Config(1, 3, 1, 4),
+                tmp_path / "server.log", ["--skip-tokenizer-init"]) as url:
+        outs, metas, chunks = serve_prompts(url, prompts, 32, ())
+    accepted = 0
+    for p, out, m, c, (o, st) in zip(prompts, outs, metas, chunks, ours):
+        with torch.no_grad():
+            ref = target.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert o == ref
+        assert out == ref, (out, ref)
+        assert c[1:] == round_sizes(st), (c[1:], round_sizes(st))
+        accepted += sum(st["accepted"])
+    assert accepted >= 5, accepted   # the comparison saw accepted drafts, not only misses
