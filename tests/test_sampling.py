@@ -104,7 +104,7 @@ def test_every_emitted_token_has_the_target_distribution(soft, cfg, temperature,
     stats = statistics(p, x)
     assert passes(stats), stats
     # the drafts really are accepted at depth >= 2, so every rule of accept_sample is exercised
-    assert sum(a >= 2 for a in acc) / len(acc) > 0.15, acc
+    assert sum(a >= 2 for a in acc) / len(acc) > 0.1, acc   # measured 0.15 - 0.37
 
 
 class AlwaysAccept(Speculator):
