@@ -629,7 +629,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-lookup-tokens", type=int, default=10,
                     help="prompt_lookup_num_tokens of the prompt-lookup peer")
     ap.add_argument("--sglang-positions", action="store_true",
-                    help="torch backend: draft positions as SGLang's draft loop (speculate.py)")
+                    help="torch backend: draft decode steps one position later (speculate.py; "
+                         "SGLang 0.5.23 matches the default)")
     ap.add_argument("--output", default="bench_results.json", help="JSON results file")
     ap.add_argument("--plot", default=None, help="PNG plot (default: the --output name, .png)")
     ap.add_argument("--compare", metavar="JSON", default=None,

@@ -19,7 +19,9 @@ One round, with n tokens committed to both KV caches and the next token `root` a
 
 Draft row convention (the same as train.py's and SGLang's prefill): row p pairs the target features
 h_p with the token x_{p+1}, at RoPE position p, and predicts x_{p+2}. `--sglang-positions` shifts
-the draft's decode steps one position later, as SGLang's draft loop does.
+the draft's decode steps one position later: what a reading of SGLang's draft loop suggested. Run
+here, SGLang 0.5.23's own EAGLE3 worker matches the default instead, verify round for verify round
+(tests/test_sglang_cpu.py); the flag stays as the one-later control.
 
     python speculate.py --draft DIR [--prompt TEXT | --prompts FILE.jsonl] [--steps 3 --topk 1
         --num-draft-tokens 4] [--temperature 0] [--max-new-tokens 256] [--dtype bfloat16] [--check]
@@ -475,7 +477,8 @@ def main():
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (on a busy machine, 1 per concurrent process)")
     ap.add_argument("--sglang-positions", action="store_true",
-                    help="draft decode steps one position later, as SGLang does")
+                    help="draft decode steps one position later (a control: SGLang 0.5.23's "
+                         "EAGLE3 worker matches the default positions, tests/test_sglang_cpu.py)")
     ap.add_argument("--check", action="store_true",
                     help="also decode with the target alone; exit 1 if any greedy output differs")
     ap.add_argument("--json", help="write per-prompt tokens and stats here")

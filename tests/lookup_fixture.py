@@ -145,8 +145,9 @@ def make_target(seed=0, layers=4, beta=5.0, noise=0.0):
     return t
 
 
-def make_draft(target, seed=0, err=0.1):
-    """The hand-built draft for `make_target(seed)` (see the module docstring)."""
+def make_draft(target, seed=0, err=0.1, head=5.0):
+    """The hand-built draft for `make_target(seed)` (see the module docstring). `head` scales its
+    logits: 5 gives near-certain guesses, ~1 a spread distribution (sampling tests)."""
     from model import Eagle3Draft, config_from_target
     _, first, second, third, wrong, cls = make_table(seed, err)
     cfg = config_from_target(target.config, len(S))
@@ -201,7 +202,7 @@ def make_draft(target, seed=0, err=0.1):
             m.down_proj.weight[dst + torch.arange(V), rows] = 1.0 / (s * F.silu(
                 torch.tensor(GAMMA)).item())
         # lm_head over the draft vocab reads O
-        d.lm_head.weight[torch.arange(len(S)), O + torch.tensor(S)] = 5.0
+        d.lm_head.weight[torch.arange(len(S)), O + torch.tensor(S)] = head
     d.wrong, d.first = full(wrong, cls), full(first, cls)
     return d.eval()
 

@@ -96,7 +96,7 @@ MUTANTS = [
      "            logits, f = lg[0, -1], h[0, -1]", "            logits = lg[0, -1]", [CHAIN]),
     ("commit-reextends-wrong-rows", "speculate.py",
      "                self.last = self.draft_extend(aux[path], new, n)",
-     "                self.last = self.draft_extend(aux[:len(path)], new, n)", [CHAIN]),
+     "                self.last = self.draft_extend(aux[:len(path)], new, n)", [TREE]),
     ("commit-reextends-at-wrong-position", "speculate.py",
      "                self.last = self.draft_extend(aux[path], new, n)",
      "                self.last = self.draft_extend(aux[path], new, n + 1)", [CHAIN]),
