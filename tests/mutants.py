@@ -146,9 +146,6 @@ MUTANTS = [
     ("tree-accepts-with-q-order-not-p", "speculate.py",
      "                if float(torch.rand((), generator=gen)) < p[x]:",
      "                if float(torch.rand((), generator=gen)) < p[x] ** 0.5:", [SAMPLING]),
-    ("chain-draws-drafts-at-temperature-1", "speculate.py",
-     "                q = target_probs(logits, self.temperature, self.top_p)",
-     "                q = target_probs(logits, 1.0, self.top_p)", [SAMPLING]),
     # ---- --check and bench must count mismatches ----
     ("check-mismatches-hard-wired-0", "speculate.py",
      "            mismatches += ref != out", "            mismatches += 0", [LK + "::test_check_counts_a_broken_verifier_and_exits_1"]),

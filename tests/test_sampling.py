@@ -4,8 +4,10 @@ distributed as the target's processed distribution given everything before it.
 The reference is independent of speculate.py: transformers' own temperature and top-p logits
 warpers, then a softmax, over one plain target forward of the finished sequence. The target is
 the lookup target of tests/lookup_fixture.py with soft logits (its table's token has about 45%
-of the mass; small random weights break every tie, so the top-p set is unambiguous), the draft its hand-built draft, which is much more confident (so acceptance,
-rejection and residual sampling all happen often, at every depth).
+of the mass; small random weights break every tie, so the top-p set is unambiguous), the draft its
+hand-built draft with soft logits too (its guess has about a third): acceptance, rejection and residual
+sampling all happen often, at every depth, and the ratio p/q matters (a near-certain draft,
+q(x) ~ 1, could not tell min(1, p/q) from min(1, p/q^2)).
 
 For a correct sampler the emitted tokens x_k satisfy P(x_k = v | past) = p_k(v), so pooled over
 all tokens of all runs:
@@ -32,7 +34,7 @@ RUNS, NEW = 40, 40
 @pytest.fixture(scope="module")
 def soft():
     t = make_target(seed=0, beta=0.6, noise=0.1)
-    return t, make_draft(t, seed=0, err=0.1)
+    return t, make_draft(t, seed=0, err=0.1, head=0.6)
 
 
 def reference_probs(logits, temperature, top_p):
