@@ -5,9 +5,10 @@ The reference is independent of speculate.py: transformers' own temperature and 
 warpers, then a softmax, over one plain target forward of the finished sequence. The target is
 the lookup target of tests/lookup_fixture.py with soft logits (its table's token has about 45%
 of the mass; small random weights break every tie, so the top-p set is unambiguous), the draft its
-hand-built draft with soft logits too (its guess has about a third): acceptance, rejection and residual
-sampling all happen often, at every depth, and the ratio p/q matters (a near-certain draft,
-q(x) ~ 1, could not tell min(1, p/q) from min(1, p/q^2)).
+hand-built draft, near-certain (a wrong-depth q is then far off) and with soft logits (its guess
+has about a third of the mass, so the ratio p/q matters: a near-certain draft, q(x) ~ 1, cannot
+tell min(1, p/q) from min(1, p/q^2)). Acceptance, rejection and residual sampling all happen
+often, at every depth.
 
 For a correct sampler the emitted tokens x_k satisfy P(x_k = v | past) = p_k(v), so pooled over
 all tokens of all runs:
@@ -33,8 +34,10 @@ RUNS, NEW = 40, 40
 
 @pytest.fixture(scope="module")
 def soft():
+    """The soft target and its draft at two logit scales: near-certain guesses (5) and spread
+    ones (0.6)."""
     t = make_target(seed=0, beta=0.6, noise=0.1)
-    return t, make_draft(t, seed=0, err=0.1, head=0.6)
+    return t, {h: make_draft(t, seed=0, err=0.1, head=h) for h in (5.0, 0.6)}
 
 
 def reference_probs(logits, temperature, top_p):
@@ -94,13 +97,13 @@ def passes(stats):
     return outside == 0 and chi2_ratio < 1 and z < 5
 
 
-CASES = [((3, 1, 4), 1.0, 1.0), ((3, 1, 4), 0.7, 0.9), ((4, 3, 8), 1.0, 1.0),
-         ((4, 3, 8), 0.8, 0.8)]
+CASES = [((3, 1, 4), 1.0, 1.0, 5.0), ((3, 1, 4), 1.0, 1.0, 0.6), ((3, 1, 4), 0.7, 0.9, 5.0),
+         ((4, 3, 8), 1.0, 1.0, 5.0), ((4, 3, 8), 0.8, 0.8, 5.0)]
 
 
-@pytest.mark.parametrize("cfg,temperature,top_p", CASES)
-def test_every_emitted_token_has_the_target_distribution(soft, cfg, temperature, top_p):
-    t, d = soft
+@pytest.mark.parametrize("cfg,temperature,top_p,head", CASES)
+def test_every_emitted_token_has_the_target_distribution(soft, cfg, temperature, top_p, head):
+    t, d = soft[0], soft[1][head]
     spec = Speculator(t, d, *cfg, temperature=temperature, top_p=top_p)
     p, x, acc = emitted_with_reference(spec, t, temperature, top_p)
     stats = statistics(p, x)
@@ -138,7 +141,7 @@ class Depth1Q(Speculator):
     ("no-temperature-no-top-p", (3, 1, 4), 0.7, 0.9),
     ("no-temperature-no-top-p", (4, 3, 8), 0.8, 0.8)])
 def test_wrong_samplers_fail(soft, monkeypatch, wrong, cfg, temperature, top_p):
-    t, d = soft
+    t, d = soft[0], soft[1][5.0]
     cls = {"always-accept": AlwaysAccept, "depth-1-q": Depth1Q}.get(wrong, Speculator)
     if wrong == "no-temperature-no-top-p":
         plain = speculate.target_probs
