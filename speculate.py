@@ -27,6 +27,7 @@ here, SGLang 0.5.23's own EAGLE3 worker matches the default instead, verify roun
         --num-draft-tokens 4] [--temperature 0] [--max-new-tokens 256] [--dtype bfloat16] [--check]
 """
 import argparse
+import functools
 import inspect
 import json
 import math
@@ -80,8 +81,12 @@ def cache_kwarg(model):
     """The KV-cache keyword of a transformers model: `cache` since transformers 5.2x,
     `past_key_values` before (5.19, which SGLang 0.5.23 pins, silently drops an unknown `cache=`
     into **kwargs and runs without a cache)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return _cache_kwarg(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(cls):   # once per model class: inspect.signature is not free in the decode loop
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def new_target_cache(target):
