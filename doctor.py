@@ -396,7 +396,7 @@ def check_norm_flags(d, layout, names, cfg, views, rep):
     truth = {}
     if cfg is not None:
         truth = {"fc_norm": cfg.fc_norm, "norm_before_fc": cfg.norm_before_fc,
-                 "norm_output": cfg.norm_output, "norm_before_residual": False}
+                 "norm_output": cfg.norm_output, "norm_before_residual": cfg.norm_before_residual}
     else:   # the draft did not load: judge the file by its own (SGLang-layout) reading
         try:
             sd = layouts.sglang_config(d)

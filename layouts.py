@@ -149,7 +149,7 @@ def speculators_to_sglang_config(d, where=CONFIG_NAME, meta=True):
         raise UserError(f"{where}: norm_before_residual is absent: speculators reads that as false, "
                         f"vLLM 0.33.0 as true; write it explicitly")
     if d["norm_before_residual"] is not False:
-        out["norm_before_residual"] = d["norm_before_residual"]   # model.py refuses it by name
+        out["norm_before_residual"] = d["norm_before_residual"]   # vLLM only: SGLang never reads it
     if d.get("tie_word_embeddings"):
         out["tie_word_embeddings"] = d["tie_word_embeddings"]
     dtype = d.get("dtype", d.get("torch_dtype", tl.get("dtype")))

@@ -36,7 +36,10 @@ math (vLLM 0.33.0 reads the same ones; tests/test_sglang_contract.py checks both
 With both norms, input_norm runs first (as in both engines). A later layer's pre-attention norm is
 `hidden_norm` in SGLang and `input_layernorm` in vLLM: the checkpoint holds the same tensor under
 both names, so the two engines compute the same draft. Any other key that would change the draft
-(attention_bias, tie_word_embeddings, vLLM's norm_before_residual, ...) is refused, never ignored.
+(attention_bias, tie_word_embeddings, ...) is refused, never ignored. vLLM reads one more,
+`norm_before_residual` (top level; speculators' trainer default): layer 0's residual is
+hidden_norm(g) instead of g. This file implements it too, but SGLang 0.5.23 never reads it, so a
+draft with it on is served right by vLLM only (the doctor fails it for SGLang).
 
 Usage as a script:
     python model.py --target default --out drafts/new [--draft-vocab-size 8192]   # fresh draft
@@ -90,6 +93,7 @@ class DraftConfig:
     fc_norm: bool = False
     norm_before_fc: bool = False
     norm_output: bool = False
+    norm_before_residual: bool = False   # vLLM only (SGLang 0.5.23 never reads it)
 
     def to_sglang_json(self):
         """The config.json that SGLang's LlamaForCausalLMEagle3 loader reads."""
@@ -108,12 +112,12 @@ class DraftConfig:
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],
         }
         for k, v in asdict(self).items():
-            if k != "aux_layer_ids" and k not in LAYOUT_FLAGS:
+            if k != "aux_layer_ids" and k not in ALL_FLAGS:
                 d[k] = v
         # layout flags only when on (a default draft's config stays as it always was): fc_norm
         # and norm_output at the top level, norm_before_fc in eagle_config (both engines read
         # it there first)
-        for k in ("fc_norm", "norm_output"):
+        for k in ("fc_norm", "norm_output", "norm_before_residual"):
             if getattr(self, k):
                 d[k] = True
         if self.norm_before_fc:
@@ -122,6 +126,14 @@ class DraftConfig:
 
     @classmethod
     def from_json(cls, d, where=CONFIG_NAME):
+        eagle = d.get("eagle_config")
+        if (eagle is None or isinstance(eagle, dict)) and not (eagle or {}).get(
+                "eagle_aux_hidden_state_layer_ids"):
+            # the original EAGLE-3 release files carry no layer ids: each engine then picks its own
+            # default layers of the target, which need not be the ones the draft was trained on
+            raise UserError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids; expected the "
+                            f"captured target layers (output of layer i, 0-based; SGLang's default "
+                            f"for an L-layer target is [1, L//2-1, L-4]) written there")
         try:
             layers = d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
             vllm = d.get("eagle_aux_hidden_state_layer_ids")  # vLLM's convention: i + 1
@@ -145,6 +157,11 @@ class DraftConfig:
 
 # The layout options and where each engine reads them (module docstring)
 LAYOUT_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+# vLLM 0.33.0 reads one more (top level): norm_before_residual, layer 0's residual is hidden_norm(g)
+# instead of g (speculators' trainer default). SGLang 0.5.23 never reads it, so such a draft is
+# served right only by vLLM (doctor.py says so).
+VLLM_ONLY_FLAGS = ("norm_before_residual",)
+ALL_FLAGS = LAYOUT_FLAGS + VLLM_ONLY_FLAGS
 # Keys that leave the draft's math unchanged (metadata, or options of the target's own config
 # that a draft never uses); read and dropped.
 INERT_KEYS = {"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
@@ -156,7 +173,7 @@ INERT_KEYS = {"architectures", "torch_dtype", "dtype", "transformers_version", "
 # Keys with the one value this draft implements; any other value is refused.
 FIXED_KEYS = {"model_type": "llama", "hidden_act": "silu", "tie_word_embeddings": False,
               "attention_bias": False, "mlp_bias": False, "bias": False, "logit_scale": 1.0,
-              "norm_before_residual": False, "use_sliding_window": False,
+              "use_sliding_window": False,
               "quantization_config": None}
 EAGLE_CONFIG_KEYS = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "norm_before_fc"}
 # the rest: DraftConfig's fields, eagle_config, the vLLM copy of the layer ids, and these
@@ -194,7 +211,7 @@ def normalize_config_keys(d, where):
         d["norm_before_fc"] = eagle["norm_before_fc"]
     if "use_aux_norm" in d:
         d["fc_norm"] = bool(d.get("fc_norm")) or d.pop("use_aux_norm")
-    for k in LAYOUT_FLAGS:
+    for k in ALL_FLAGS:
         if k in d and not isinstance(d[k], bool):
             raise UserError(f"{where}: {k} must be true or false, got {d[k]!r}")
     n = d.get("num_hidden_layers", 1)
@@ -288,7 +305,7 @@ def config_from_target(tcfg, draft_vocab_size=None, aux_layer_ids=None):
 # may differ from the automatic choice. The rest is fixed by the target and the data.
 SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-                "num_hidden_layers") + LAYOUT_FLAGS
+                "num_hidden_layers") + ALL_FLAGS
 
 
 def apply_draft_config(cfg, path, flag="--draft-config"):
@@ -509,6 +526,7 @@ class MidLayer(nn.Module):
         super().__init__()
         H = cfg.hidden_size
         self.first = index == 0
+        self.norm_residual = self.first and cfg.norm_before_residual
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         if self.first:
             self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
@@ -522,8 +540,9 @@ class MidLayer(nn.Module):
         return torch.cat([self.input_layernorm(e), self.hidden_norm(g)], dim=-1)
 
     def finish(self, g, attn_out):
-        """Residual additions after attention; returns h2, the pre-norm output feature."""
-        h1 = g + attn_out
+        """Residual additions after attention; returns h2, the pre-norm output feature. The
+        residual of layer 0 is g, or hidden_norm(g) with vLLM's norm_before_residual."""
+        h1 = (self.hidden_norm(g) if self.norm_residual else g) + attn_out
         return h1 + self.mlp(self.post_attention_layernorm(h1))
 
     def forward(self, e, g, cos, sin, cache=None, mask=None):
@@ -798,8 +817,11 @@ def export_layout(args):
         verifier = {"name_or_path": args.target,
                     "architectures": getattr(heads.config, "architectures", None) or []}
         embed = heads.get_input_embeddings().weight.detach()
-    export(args.draft, args.export, args.out, verifier, embed)
+    d_out = export(args.draft, args.export, args.out, verifier, embed)
     print(f"wrote {args.draft} in the {args.export} layout to {args.out}")
+    if args.export == "sglang" and d_out.get("norm_before_residual"):
+        print(f"note: {args.draft} has norm_before_residual true; SGLang 0.5.23 never reads it, "
+              f"so only vLLM serves {args.out} as trained (speculate.py reads it right)")
 
 
 def main(argv=None):

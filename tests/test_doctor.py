@@ -71,7 +71,7 @@ def inject(src, dst, config=None, tensors=None):
 
 # ---- good drafts pass -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["eagle3", "eagle3_norms", "eagle3_fc_norm"])
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_norms", "eagle3_fc_norm", "eagle3_residual"])
 def test_speculators_drafts_pass(name, target):
     rep = run(os.path.join(FIX, name), target, prompts())
     assert not fails(rep), fails(rep)
@@ -92,6 +92,16 @@ def test_project_drafts_pass_in_both_layouts(tmp_path, target, layout):
     layouts.export(path, "speculators", spec, embed=target.get_input_embeddings().weight.detach())
     rep = run(spec, target, prompts())
     assert not fails(rep), fails(rep)
+
+
+def test_norm_before_residual_is_vllm_only(tmp_path, target):
+    """speculators' default norm_before_residual=true: vLLM reads it (passes); the same draft in
+    SGLang's layout is one SGLang 0.5.23 serves wrong (it never reads the flag): one FAIL, by name."""
+    sg = str(tmp_path / "sg")
+    layouts.export(os.path.join(FIX, "eagle3_residual"), "sglang", sg)
+    rep = run(sg, target, prompts())
+    assert [f for f, _ in fails(rep)] == ["norm_before_residual (sglang 0.5.23)"], fails(rep)
+    assert any(s == "PASS" and f == "norm_before_residual (vllm 0.33.0)" for s, f, _ in rep.lines)
 
 
 def test_static_only_skips_never_passes(tmp_path, target):
@@ -263,3 +273,17 @@ def test_cli_exit_codes(tmp_path, target):
     assert r.returncode == 1
     assert any(ln.startswith("FAIL  config.json") and "norm_before_residual" in ln
                for ln in r.stdout.splitlines())
+
+
+def test_original_eagle_config_without_layer_ids(tmp_path, target):
+    """The original EAGLE-3 release configs name no captured layers: each engine then uses its own
+    default layers. Loading says which field is missing; the doctor fails it by name."""
+    from common import UserError
+    from model import read_config
+    bad = inject(project_draft(tmp_path / "d", target), tmp_path / "bad",
+                 lambda d: (d.pop("eagle_config"), d.pop("eagle_aux_hidden_state_layer_ids")))
+    with pytest.raises(UserError, match=r"no eagle_config.eagle_aux_hidden_state_layer_ids; "
+                                        r"expected the captured target layers"):
+        read_config(bad)
+    rep = run(bad, target, prompts())
+    assert any("eagle_aux_hidden_state_layer_ids" in f + m for f, m in fails(rep)), rep.lines

@@ -265,7 +265,7 @@ def test_model_cli_applies_layout_keys(tmp_path):
 
 @pytest.mark.parametrize("keys,msg", [
     ({"foo": 1}, "unknown key 'foo'"),
-    ({"norm_before_residual": True}, "norm_before_residual is True"),
+    ({"norm_before_residual": 1}, "norm_before_residual must be true or false"),
     ({"attention_bias": True}, "attention_bias is True"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings is True"),
     ({"eagle_config": {"extra": 1}}, "unknown eagle_config key 'extra'"),
@@ -290,8 +290,8 @@ def test_saved_config_with_unapplied_key_is_refused(tmp_path):
     t, d = make_draft("eagle3.1")
     d.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, norm_before_residual=True)))
-    with pytest.raises(UserError, match="norm_before_residual"):
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, mlp_bias=True)))
+    with pytest.raises(UserError, match="mlp_bias"):
         load_draft_for(str(tmp_path), t)
     # SGLang's legacy spelling: use_aux_norm + aux_norm_low/mid/high, read as fc_norm
     from safetensors.torch import save_file

@@ -612,8 +612,8 @@ DEFAULTS_OK = {
     "num_aux_hidden_states": "derived by both from eagle_aux_hidden_state_layer_ids (any number)",
     "rope_parameters": "transformers builds it from rope_theta/rope_scaling",
     "logit_scale": "no logit scaling: default 1.0",
-    "norm_before_residual": "vLLM only; residual = fc feature, as in EAGLE-3: default False "
-                            "(model.py refuses true)",
+    "norm_before_residual": "vLLM only; written when on (model.py applies it; the doctor "
+                            "fails such a draft for SGLang); off: residual = g, default False",
     "attention_bias": "written: False",
     "target_layer_count": "vLLM sets it itself from the target",
     "draft_vocab_size": "written", "target_hidden_size": "written",
@@ -809,9 +809,12 @@ def test_layout_math_in_both_engines(sgl, vllm):
     assert {k.replace(".weight", ""): v.replace(".weight", "")
             for k, v in model.LEGACY_FC_NORM.items()} == {k: v for k, v in legacy.items()
                                                           if k.startswith("aux_norm")}
-    # vLLM's norm_before_residual (not read by SGLang) is refused by model.py when true
+    # vLLM's norm_before_residual (never read by SGLang): layer 0's residual is hidden_norm(g),
+    # model.py's MidLayer.finish
     assert "norm_before_residual" in v and "norm_before_residual" not in s
-    assert model.FIXED_KEYS["norm_before_residual"] is False
+    assert compact("hidden_states = self.hidden_norm(hidden_states) residual = hidden_states") in v
+    assert compact("if self.layer_idx == 0:") in v
+    assert model.VLLM_ONLY_FLAGS == ("norm_before_residual",)
 
 
 def test_layout_aux_layers_captured_in_both_engines(sgl, vllm, layout_checkpoint):

@@ -18,7 +18,7 @@ from model import Eagle3Draft, config_from_target, load_draft_for, read_config
 from speculate import Speculator, target_generate
 
 FIX = os.path.join(ROOT, "tests", "fixtures", "speculators")
-GOOD = ["eagle3", "eagle3_norms", "eagle3_fc_norm"]
+GOOD = ["eagle3", "eagle3_norms", "eagle3_fc_norm", "eagle3_residual"]
 
 
 def fixture(name):
@@ -70,7 +70,7 @@ def test_fixture_matches_speculators_forward(name):
         assert (wrong - ref["logits"]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["eagle3", "eagle3_norms"])
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_norms", "eagle3_residual"])
 @pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 4, 8)])
 def test_fixture_decodes_losslessly(name, steps, topk, ndt):
     target = sharp_target()
@@ -86,14 +86,21 @@ def test_fixture_decodes_losslessly(name, steps, topk, ndt):
         assert s["rounds"] >= 1
 
 
-def test_norm_before_residual_refused_by_name():
-    """speculators' trainer defaults to norm_before_residual=true; SGLang never reads it and
-    model.py does not implement it: refused with the field's name, never ignored."""
-    with pytest.raises(UserError, match="norm_before_residual"):
-        read_config(fixture("eagle3_residual"))
+def test_norm_before_residual_is_applied():
+    """speculators' trainer defaults to norm_before_residual=true (vLLM reads it, SGLang never
+    does): read as such, and it matters: layer 0 with the plain residual g misses speculators'
+    logits (the forward test above then fails)."""
+    assert read_config(fixture("eagle3_residual")).norm_before_residual
+    assert not read_config(fixture("eagle3")).norm_before_residual
+    draft = load_draft_for(fixture("eagle3_residual"), make_tiny_target(), torch.float32)
+    ref = load_file(os.path.join(fixture("eagle3_residual"), "reference.safetensors"))
+    draft.midlayer.norm_residual = False
+    with torch.no_grad():
+        wrong, _ = draft(ref["input_ids"], draft.fuse(ref["aux"]), ref["position_ids"])
+    assert (wrong - ref["logits"]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", GOOD + ["eagle3_residual"])
+@pytest.mark.parametrize("name", GOOD)
 def test_speculators_round_trip_exact(tmp_path, name):
     """speculators -> SGLang -> speculators: the same config.json (every field) and tensors."""
     layouts.export(fixture(name), "sglang", str(tmp_path / "sg"))
@@ -125,6 +132,7 @@ def project_draft(tmp_path, **layout):
 
 
 @pytest.mark.parametrize("layout", [{}, {"fc_norm": True, "norm_output": True},
+                                    {"norm_before_residual": True},
                                     {"norm_before_fc": True, "num_hidden_layers": 2, "n_aux": 4}])
 def test_project_round_trip_exact(tmp_path, layout):
     """A draft this project writes -> speculators -> SGLang: the same files; and the speculators
