@@ -683,7 +683,7 @@ def main(argv=None):
         args.server_args += " --trust-remote-code"   # launched SGLang servers load the target too
     if args.draft:
         from common import load_config
-        from model import check_fits, read_config
+        from draft_config import check_fits, read_config
         dcfg = read_config(args.draft)
         check_fits(dcfg, load_config(target_dir, args.trust_remote_code),
                    where=os.path.join(args.draft, "config.json"))

@@ -132,7 +132,7 @@ def engine_views(d, names, num_layers):
 
 def check_static(path, rep, tcfg=None, target_embed=None):
     """Returns the project's DraftConfig when the draft loads, else None."""
-    from model import read_config
+    from draft_config import read_config
     layout, d = layouts.read_layout(path)
     tensors = layouts.load_tensors(path)
     names = set(tensors)
@@ -357,7 +357,7 @@ def check_partial_rotary(d, layout, rep):
 
 
 def check_rope(cfg, d, layout, tcfg, rep):
-    from model import config_from_target
+    from draft_config import config_from_target
     check_partial_rotary(d, layout, rep)
     if tcfg is None:
         rep.add("SKIP", "rope_theta / rope_scaling / max_position_embeddings",

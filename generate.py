@@ -368,7 +368,8 @@ def build_vocab(sequences, V, Vd, fill=False, keep_ids=None):
 def draft_vocab_of(path, V):
     """--vocab-from DIR: (draft ids, draft config) of a saved draft, read from its d2t."""
     from safetensors import safe_open
-    from model import WEIGHTS_NAME, check_draft_ids, read_config
+    from model import WEIGHTS_NAME, check_draft_ids
+    from draft_config import read_config
     if not os.path.isdir(path):
         raise UserError(f"--vocab-from {path}: no such directory (expected a saved draft)")
     cfg = read_config(path)
@@ -486,7 +487,7 @@ def main(argv=None):
     dtype, why = resolve_dtype(args.dtype, args.device)
     args.dtype = str(dtype).replace("torch.", "")  # the resolved name: recorded with the data
     print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
-    from model import check_aux_layers, default_aux_layers
+    from draft_config import check_aux_layers, default_aux_layers
 
     # --- everything that can go wrong with the user's input is checked before writing anything
     need_hf_model = args.backend == "hf" and (args.regenerate or args.hidden_states or args.synthesize)

@@ -38,7 +38,7 @@ def target_hidden_states(target, sequences, layer_ids, batch_size=8):
     right padding: pads come after every real token, so causal attention never lets a real token
     see one, and each result is sliced back to its true length. The decoder (target.base_model)
     is called directly, which skips the [B, T, V] logits nobody asked for."""
-    from model import check_aux_layers
+    from draft_config import check_aux_layers
     L = target.config.get_text_config().num_hidden_layers
     check_aux_layers(layer_ids, L, "aux layer ids")
     dev = next(target.parameters()).device

@@ -507,7 +507,7 @@ def main():
         dtype, why = resolve_dtype(args.dtype, args.device)
     args.dtype = str(dtype).replace("torch.", "")
     print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
-    from model import read_config
+    from draft_config import read_config
     check_spec_args(args.steps, args.topk, args.num_draft_tokens,
                     read_config(args.draft).draft_vocab_size)
     if args.prompts:

@@ -361,8 +361,8 @@ def main(argv=None):
     args = parse_args(argv)
     check_args(args)
     from common import load_target_heads, parse_dtype
-    from model import (Eagle3Draft, apply_draft_config, check_fits, config_from_target,
-                       load_draft_for)
+    from model import Eagle3Draft, load_draft_for
+    from draft_config import apply_draft_config, check_fits, config_from_target
     manifest, seqs, vocab = read_data(args.data)
     if args.target is None:
         args.target = manifest["target"]
@@ -445,7 +445,7 @@ def main(argv=None):
             ck = list_checkpoints(args.out)
             if not ck:
                 raise UserError(f"--resume: no checkpoint in {args.out}/checkpoints")
-            from model import SHAPE_FIELDS, read_config
+            from draft_config import SHAPE_FIELDS, read_config
             saved = read_config(ck[-1])
             diff = [k for k in SHAPE_FIELDS if getattr(saved, k) != getattr(cfg, k)]
             if diff:

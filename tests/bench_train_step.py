@@ -17,7 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ttt  # noqa: E402
-from model import DraftConfig, Eagle3Draft  # noqa: E402
+from model import Eagle3Draft  # noqa: E402
+from draft_config import DraftConfig
 
 
 def timed(f, n=3):

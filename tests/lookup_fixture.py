@@ -148,7 +148,8 @@ def make_target(seed=0, layers=4, beta=5.0, noise=0.0):
 def make_draft(target, seed=0, err=0.1, head=5.0):
     """The hand-built draft for `make_target(seed)` (see the module docstring). `head` scales its
     logits: 5 gives near-certain guesses, ~1 a spread distribution (sampling tests)."""
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     _, first, second, third, wrong, cls = make_table(seed, err)
     cfg = config_from_target(target.config, len(S))
     cfg.intermediate_size = NEURONS + 5 * V

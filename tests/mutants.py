@@ -184,7 +184,7 @@ MUTANTS = [
     ("draft-rope-ignores-scaling", "model.py",
      "        if cfg.rope_scaling:\n            params.update", "        if False:\n            params.update",
      [BAD]),
-    ("config-drops-rope-scaling", "model.py",
+    ("config-drops-rope-scaling", "draft_config.py",
      "    rope_scaling = None if rope_type == \"default\" else {k: v for k, v in rope.items()",
      "    rope_scaling = None if True else {k: v for k, v in rope.items()", [BAD]),
     ("draft-rope-scale-dropped", "model.py",

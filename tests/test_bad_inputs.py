@@ -12,7 +12,8 @@ import speculate
 import train
 from common import UserError
 from lookup_fixture import lookup_pair, lookup_prompts
-from model import Eagle3Draft, config_from_target
+from model import Eagle3Draft
+from draft_config import config_from_target
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ needs_wheels = pytest.mark.skipif(not HAVE_WHEELS,
 def tiny(tmp_path_factory):
     from transformers import AutoTokenizer
     from common import resolve_target
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     root = tmp_path_factory.mktemp("bench")
     tok = AutoTokenizer.from_pretrained(resolve_target("default"))
     target = make_tiny_target(vocab_size=len(tok), hidden_size=32, layers=6,

@@ -26,7 +26,8 @@ def default_cfg():
 
 
 def make_draft(path, tcfg, **override):
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     cfg = config_from_target(tcfg, 256)
     for k, v in override.items():
         setattr(cfg, k, v)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from conftest import ROOT, make_tiny_target
 import doctor
 import layouts
-from model import Eagle3Draft, config_from_target
+from model import Eagle3Draft
+from draft_config import config_from_target
 
 FIX = os.path.join(ROOT, "tests", "fixtures", "speculators")
 
@@ -279,7 +280,7 @@ def test_original_eagle_config_without_layer_ids(tmp_path, target):
     """The original EAGLE-3 release configs name no captured layers: each engine then uses its own
     default layers. Loading says which field is missing; the doctor fails it by name."""
     from common import UserError
-    from model import read_config
+    from draft_config import read_config
     bad = inject(project_draft(tmp_path / "d", target), tmp_path / "bad",
                  lambda d: (d.pop("eagle_config"), d.pop("eagle_aux_hidden_state_layer_ids")))
     with pytest.raises(UserError, match=r"no eagle_config.eagle_aux_hidden_state_layer_ids; "

@@ -601,7 +601,8 @@ def test_cli_user_mistakes(tmp_path, tiny_dir, smol_tok):
 def test_vocab_from_takes_a_drafts_vocabulary_and_layers(tmp_path, tiny_dir):
     """--vocab-from DRAFT: the data's vocabulary is that draft's (ids the data never saw included)
     and its layers are the draft's, which is what train.py --init checks; counts stay the data's."""
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     from common import load_config
     tcfg = load_config(tiny_dir)
     cfg = config_from_target(tcfg, draft_vocab_size=40, aux_layer_ids=[0, 2, 5])

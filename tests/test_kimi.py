@@ -36,7 +36,8 @@ def kimi_config():
 
 
 def test_kimi_k2_config_gives_the_public_draft_shape(tmp_path):
-    from model import Eagle3Draft, apply_draft_config, config_from_target, default_aux_layers
+    from model import Eagle3Draft
+    from draft_config import apply_draft_config, config_from_target, default_aux_layers
     tcfg = kimi_config()
     assert (tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size) == (7168, 61, 163840)
     assert tcfg.rope_parameters["rope_type"] == "yarn" and tcfg.rope_parameters["factor"] == 32.0

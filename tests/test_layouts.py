@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from conftest import make_tiny_target
 from common import UserError
-from model import Eagle3Draft, config_from_target, load_draft_for, read_config
+from model import Eagle3Draft, load_draft_for
+from draft_config import config_from_target, read_config
 import ttt
 
 V, VD, L = 64, 48, 8

@@ -8,8 +8,8 @@ from safetensors import safe_open
 
 from conftest import make_tiny_target
 from common import UserError
-from model import (Eagle3Draft, check_fits, config_from_target, default_aux_layers, fc_weight_for_features, read_config,
-                   load_draft_for)
+from model import Eagle3Draft, fc_weight_for_features, load_draft_for
+from draft_config import check_fits, config_from_target, default_aux_layers, read_config
 
 # The names and shapes SGLang's LlamaForCausalLMEagle3.load_weights expects (reference §1).
 # SGLang ignores unknown names and leaves missing ones random, so this list is the contract.

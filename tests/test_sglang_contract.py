@@ -436,7 +436,8 @@ def test_layer_ids_must_be_sorted_and_distinct():
 def checkpoint(tmp_path_factory):
     """What model.py writes for a draft with a reduced vocabulary and non-default layers."""
     from safetensors import safe_open
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     target = make_tiny_target(vocab_size=64, hidden_size=32, layers=8)
     cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=[0, 3, 6])
     d = tmp_path_factory.mktemp("draft")
@@ -673,7 +674,7 @@ def test_aux_layers_mean_the_same_layers_in_both_engines(sgl, vllm, checkpoint):
     assert "aux_hidden_states, idx + 1, hidden_states, residual" in llama
     mixin = vllm.text("vllm/model_executor/models/interfaces.py")
     assert "return (2, num_layers // 2, num_layers - 3)" in mixin
-    from model import DraftConfig, default_aux_layers
+    from draft_config import DraftConfig, default_aux_layers
     assert [i + 1 for i in default_aux_layers(30)] == [2, 30 // 2, 30 - 3]
     # a checkpoint whose two keys disagree is refused when read back
     from common import UserError
@@ -695,7 +696,8 @@ def test_d2t_offsets_match_both_engines(sgl, vllm, checkpoint, tmp_path):
     assert "base = torch.arange(self.config.draft_vocab_size, device=logits.device)" in vl
     assert "targets = base + self.draft_id_to_target_id" in vl
     from safetensors.torch import load_file
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     target = make_tiny_target(vocab_size=64, hidden_size=32, layers=8)
     cfg = config_from_target(target.config, draft_vocab_size=4)
     draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
@@ -724,7 +726,8 @@ def test_d2t_offsets_match_both_engines(sgl, vllm, checkpoint, tmp_path):
 def layout_checkpoint(tmp_path_factory):
     import dataclasses
     from safetensors import safe_open
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     target = make_tiny_target(vocab_size=64, hidden_size=32, layers=8)
     cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=[0, 1, 3, 4, 6])
     cfg = dataclasses.replace(cfg, fc_norm=True, norm_before_fc=True, norm_output=True,
@@ -747,7 +750,7 @@ def test_layout_tensors_load_in_both_engines(sgl, vllm, layout_checkpoint):
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_layout_config_keys_both_engines_read(engine, sgl, vllm, layout_checkpoint):
     """Where each option is read, with the key model.py writes it under."""
-    import model
+    import draft_config
     _, cfg = layout_checkpoint
     src, path = (sgl, "sglang/srt/models/llama_eagle3.py") if engine == "sglang" else \
         (vllm, "vllm/model_executor/models/llama_eagle3.py")
@@ -756,7 +759,7 @@ def test_layout_config_keys_both_engines_read(engine, sgl, vllm, layout_checkpoi
     assert {"norm_before_fc", "eagle_aux_hidden_state_layer_ids"} <= eagle
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["num_hidden_layers"] == 3
     assert cfg["eagle_config"]["norm_before_fc"] is True and "norm_before_fc" not in cfg
-    assert set(model.LAYOUT_FLAGS) <= optional | eagle
+    assert set(draft_config.LAYOUT_FLAGS) <= optional | eagle
     text = src.text(path)
     # eagle_config's norm_before_fc first, then the top level
     assert compact('eagle_config.get("norm_before_fc", getattr(') in compact(text)
@@ -797,7 +800,7 @@ def test_layout_math_in_both_engines(sgl, vllm):
     assert compact("self.fc_input_size = target_hidden_size * self.num_aux_hidden_states") in v
     assert compact("self.hidden_size_in * self.num_aux_hidden_states") in s
     # SGLang applies fc only when the width is not H: one aux layer with Ht == H would skip it
-    # (model.check_aux_layers asks for two or more)
+    # (draft_config.check_aux_layers asks for two or more)
     assert compact("if hidden_states.shape[-1] != embeds.shape[-1]:") in s
     # norm_output: the next draft step gets the post-norm state
     assert compact("aux = hidden_states_to_logits if self.norm_output else hidden_states_to_aux") in s
@@ -805,6 +808,7 @@ def test_layout_math_in_both_engines(sgl, vllm):
     # SGLang's legacy spellings, which model.py reads too
     assert compact('getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)') in s
     legacy = literal(sgl.tree("sglang/srt/models/llama_eagle3.py"), "load_weights", "legacy_name_map")
+    import draft_config
     import model
     assert {k.replace(".weight", ""): v.replace(".weight", "")
             for k, v in model.LEGACY_FC_NORM.items()} == {k: v for k, v in legacy.items()
@@ -814,7 +818,7 @@ def test_layout_math_in_both_engines(sgl, vllm):
     assert "norm_before_residual" in v and "norm_before_residual" not in s
     assert compact("hidden_states = self.hidden_norm(hidden_states) residual = hidden_states") in v
     assert compact("if self.layer_idx == 0:") in v
-    assert model.VLLM_ONLY_FLAGS == ("norm_before_residual",)
+    assert draft_config.VLLM_ONLY_FLAGS == ("norm_before_residual",)
 
 
 def test_layout_aux_layers_captured_in_both_engines(sgl, vllm, layout_checkpoint):

@@ -109,7 +109,7 @@ def test_sglang_capture_equals_transformers_tiny_llama(tmp_path):
 
 def test_sglang_capture_equals_transformers_default_target():
     from common import chat_prompt_ids, load_target, resolve_target
-    from model import default_aux_layers
+    from draft_config import default_aux_layers
     target, tok = load_target("default", "float32")
     layers = default_aux_layers(target.config.num_hidden_layers)   # [1, 14, 26]
     seqs = [chat_prompt_ids(tok, q) for q in ["What is the capital of France?",
@@ -133,7 +133,8 @@ def test_sglang_loader_takes_every_draft_tensor(tmp_path):
     tensor lands in its parameter (q/k/v and gate/up fused), d2t becomes hot_token_id. SGLang
     ignores unknown names silently, so equality of every parameter is the check."""
     from safetensors.torch import load_file
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     target = make_tiny_target(vocab_size=128, hidden_size=64, layers=6, heads=4, kv_heads=2)
     cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=[0, 2, 4])
     torch.manual_seed(0)
@@ -468,7 +469,8 @@ def test_sglang_eagle3_worker_tiny_random_target(tmp_path):
     vocabulary map), tree 2/2/3 (every op, the tree mask and KV moves included). Greedy output
     equals transformers' and SGLang counts one verify round per committed chunk."""
     from bench import Config
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     target = make_tiny_target(vocab_size=128, hidden_size=64, layers=4, heads=4, kv_heads=2)
     target.save_pretrained(tmp_path / "tiny")
     cfg = config_from_target(target.config, draft_vocab_size=64, aux_layer_ids=[0, 1, 2])
@@ -495,7 +497,8 @@ def test_sglang_eagle3_worker_tiny_random_target(tmp_path):
 
 def layout_draft(target, aux, vd, path, seed=0):
     import dataclasses
-    from model import Eagle3Draft, config_from_target
+    from model import Eagle3Draft
+    from draft_config import config_from_target
     cfg = config_from_target(target.config, draft_vocab_size=vd, aux_layer_ids=aux)
     cfg = dataclasses.replace(cfg, fc_norm=True, norm_before_fc=True, norm_output=True,
                               num_hidden_layers=3)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_target
-from model import Eagle3Draft, config_from_target
+from model import Eagle3Draft
+from draft_config import config_from_target
 from speculate import Speculator, target_generate
 
 CONFIGS = [(3, 1, 4), (5, 4, 8), (6, 8, 32)]   # (steps, topk, num_draft_tokens)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from conftest import ROOT, make_tiny_target
 from common import UserError
 import layouts
-from model import Eagle3Draft, config_from_target, load_draft_for, read_config
+from model import Eagle3Draft, load_draft_for
+from draft_config import config_from_target, read_config
 from speculate import Speculator, target_generate
 
 FIX = os.path.join(ROOT, "tests", "fixtures", "speculators")

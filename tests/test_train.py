@@ -19,7 +19,8 @@ import hidden
 import rundir
 import train
 import ttt
-from model import Eagle3Draft, config_from_target
+from model import Eagle3Draft
+from draft_config import config_from_target
 
 V, VD, LAYERS = 64, 48, 8
 FP32 = ["--dtype", "float32", "--target-dtype", "float32", "--hidden-dtype", "float32",
