@@ -17,7 +17,7 @@ from conftest import ROOT, make_tiny_target
 
 import hidden
 import rundir
-import train
+import train_data
 import ttt
 from model import Eagle3Draft
 from draft_config import config_from_target
@@ -275,9 +275,9 @@ def test_replay_decoding_follows_rounds():
 
 def test_batches_cover_each_epoch_once():
     ids = list(range(100, 110))
-    seen = [k for s in range(5) for k in train.batch_indices(ids, s, 2, seed=3)[0]]
+    seen = [k for s in range(5) for k in train_data.batch_indices(ids, s, 2, seed=3)[0]]
     assert sorted(seen) == ids
-    assert train.batch_indices(ids, 5, 2, 3)[1] == {"epoch": 1, "batch_in_epoch": 0}
+    assert train_data.batch_indices(ids, 5, 2, 3)[1] == {"epoch": 1, "batch_in_epoch": 0}
 
 
 def test_length_grouped_batches():
@@ -289,14 +289,14 @@ def test_length_grouped_batches():
 
     def padding(lens):
         return sum(8 * max(lengths[k] for k in b) - sum(lengths[k] for k in b)
-                   for b in (train.batch_indices(ids, s, 8, 1, lens)[0] for s in range(25)))
+                   for b in (train_data.batch_indices(ids, s, 8, 1, lens)[0] for s in range(25)))
     for epoch in range(2):
         seen = [k for s in range(25 * epoch, 25 * epoch + 25)
-                for k in train.batch_indices(ids, s, 8, 1, lengths)[0]]
+                for k in train_data.batch_indices(ids, s, 8, 1, lengths)[0]]
         assert sorted(seen) == ids
     assert padding(lengths) < 0.2 * padding(None)
-    assert (train.batch_indices(ids, 0, 8, 1, lengths)[0]
-            != train.batch_indices(ids, 25, 8, 1, lengths)[0])
+    assert (train_data.batch_indices(ids, 0, 8, 1, lengths)[0]
+            != train_data.batch_indices(ids, 25, 8, 1, lengths)[0])
 
 
 def test_target_side_only_needed_rows():
@@ -536,10 +536,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):
     # poison one sequence; find the step whose batch holds it
     m = json.load(open(os.path.join(d, "manifest.json")))
     seqs = [json.loads(l) for l in open(os.path.join(d, "sequences.jsonl"))]
-    train_ids, _ = train.split_data(len(seqs), 0.05, 0)
+    train_ids, _ = train_data.split_data(len(seqs), 0.05, 0)
     step = 3
     lengths = [len(q["input_ids"]) for q in seqs]
-    k = train.batch_indices(train_ids, step, 2, 0, lengths)[0][0]
+    k = train_data.batch_indices(train_ids, step, 2, 0, lengths)[0][0]
     shard = next(s for s in m["hidden"]["shards"] if s["start"] <= k < s["end"])
     t = load_file(os.path.join(d, shard["file"]))
     t[f"aux.{k}"][:] = float("nan")
