@@ -32,7 +32,8 @@ transformers_utils/configs/speculators/algos.py); what the draft IS comes from t
 reading of the file (layouts.py, model.py), which reproduces speculators' own forward exactly
 (tests/test_speculators_layout.py). With --target the doctor also decodes a few prompts with
 speculate.py (fp32: output identical to the target's greedy decoding, accept length in this
-project's position convention and in SGLang's one-later decode convention), measures the draft's
+project's position convention (which SGLang 0.5.23's worker matches) and one position later, the
+--sglang-positions control), measures the draft's
 step-0 top-1 agreement with the target, and compares both with the training-time estimate of the
 draft's card (training.json) or its run's log.jsonl when one is there.
 """
@@ -533,7 +534,10 @@ def check_measured(path, target, prompts, rep, stop_ids=(), max_new_tokens=48, s
     target = target.float()
     res = {}
     refs = [target_generate(target, ids, max_new_tokens, stop_ids=stop_ids)[0] for ids in prompts]
-    for name, shift in (("this project's positions", False), ("SGLang's decode positions", True)):
+    # the draft's decode steps at this project's positions, and one position later (the
+    # --sglang-positions control; SGLang 0.5.23's own EAGLE3 worker matched the first, round for
+    # round, in tests/test_sglang_cpu.py)
+    for name, shift in (("this project's positions", False), ("one-later decode positions", True)):
         spec = Speculator(target, draft, steps=steps, topk=1, stop_ids=stop_ids,
                           sglang_positions=shift)
         acc = rounds = same = 0

@@ -57,24 +57,32 @@ The CPU shim (speculators' trainer assumes an accelerator; nothing of speculator
   utils/util.py:17      get_current_device() -> "cuda:0" (used only to resume from a checkpoint):
                         not patched; every run starts in a fresh directory with
                         --no-resume-from-checkpoint.
-  Attention: --draft-attn-impl sdpa in every arm. speculators' default simple_flex_attention
-  cannot train on a CPU at all: torch 2.13's flex_attention refuses the backward there
-  (torch/nn/attention/flex_attention.py:2082 _validate_device, "FlexAttention does not support
-  backward on CPU"), a torch limit, not speculators'. sdpa is speculators' own documented
-  alternative ("for hardware that doesn't support flex attention"; core.py builds the same
-  document-causal + TTT-diagonal mask densely, models/eagle3/attention.py
+  Attention (on a CPU only): --draft-attn-impl sdpa in every arm. speculators' default
+  simple_flex_attention cannot train on a CPU at all: torch 2.13's flex_attention refuses the
+  backward there (torch/nn/attention/flex_attention.py:2082 _validate_device, "FlexAttention
+  does not support backward on CPU"), a torch limit, not speculators'. sdpa is speculators' own
+  documented alternative ("for hardware that doesn't support flex attention"; core.py builds
+  the same document-causal + TTT-diagonal mask densely, models/eagle3/attention.py
   extend_dense_mask_for_draft_tokens).
-  Loss: --loss-implementation eager in every arm. The default "fused" losses are Triton
-  kernels (losses/fused.py `import triton`; losses/utils.py:121 raises "Fused losses require
-  Triton"), GPU only; eager is speculators' own reference implementation of the same KL
+  Loss (on a CPU only): --loss-implementation eager in every arm. The default "fused" losses
+  are Triton kernels (losses/fused.py `import triton`; losses/utils.py:121 raises "Fused losses
+  require Triton"), GPU only; eager is speculators' own reference implementation of the same KL
   (losses/eager.py kl_div_loss: KL(softmax(target) || softmax(draft)) per row, masked mean).
   DataLoader workers: --num-workers 0 in every arm (12 spawned workers per loader on 2 cores;
   no effect on the math). models/utils.py:74 compiles forward only with CUDA, so CPU runs eager.
   A JSON-lines handler on the "speculators.metrics" logger writes W/<arm>/metrics.jsonl.
+
+Decoding a defaults-arm draft: its layer is sliding-window (transformer_layer_config
+use_sliding_window / layer_types, window 2048), which this project refuses by name
+(draft_config.py FIXED_KEYS, the doctor's config.json FAIL). When the window covers every
+context decoded (longest prompt + new tokens), sliding-window attention is full attention, so a
+copy of the checkpoint whose config.json says full attention (tensors symlinked, unchanged) is
+decoded instead; the summary says so ("decode_note"). Positions: speculators trains row p at RoPE
+position p + 1 (shift_batch keeps position_ids[1:]), this project at p; RoPE sees only position
+differences, so the shift changes nothing (the doctor decodes both conventions).
 """
 import argparse
 import json
-import math
 import os
 import shlex
 import shutil
@@ -337,7 +345,7 @@ def convert(args):
     from safetensors.torch import save_file
     from common import load_target, parse_dtype
     from hidden import hidden_states_for
-    from train import read_data, split_data
+    from train_data import read_data, split_data
     t0 = time.time()
     manifest, seqs, vocab = read_data(args.data)
     rec_path = os.path.join(args.work, "convert.json")
@@ -472,6 +480,13 @@ def train_py_defaults():
     return a, LOSS_DECAY
 
 
+def cuda_available():
+    """On a GPU speculators runs as it ships (flex attention, Triton losses; cpu_shim does
+    nothing there); only on a CPU do the two CPU flags below replace them."""
+    import torch
+    return torch.cuda.is_available()
+
+
 def arm_flags(args, conv, arm):
     """(speculators flags of this arm, what train.py does that no flag expresses, the mapping)."""
     from common import resolve_dtype
@@ -486,7 +501,9 @@ def arm_flags(args, conv, arm):
               "--target-layer-ids", *map(str, conv["aux_layer_ids"]["speculators_input_of_layer"]),
               "--train-data-ratio", repr(conv["train_data_ratio"]),
               "--num-workers", "0", "--on-missing", "raise", "--no-resume-from-checkpoint",
-              "--log-freq", "1",
+              "--log-freq", "1"]
+    if not cuda_available():
+        common += [
               # speculators' default simple_flex_attention cannot train on CPU: torch's
               # flex_attention has no CPU backward (torch/nn/attention/flex_attention.py
               # _validate_device: "FlexAttention does not support backward on CPU"); sdpa is
@@ -501,7 +518,7 @@ def arm_flags(args, conv, arm):
         return common + shlex.split(args.defaults_flags), [], {}
     mean = sum(lengths) / len(lengths)
     tsl = max(max(lengths), round(a.batch_size * mean))
-    dt, _ = resolve_dtype(a.dtype, "cpu")
+    dt, _ = resolve_dtype(a.dtype, "cuda" if cuda_available() else "cpu")
     dt = str(dt).replace("torch.", "")
     mapping = {
         "--optimizer": "adamw (train.py: AdamW)",
@@ -520,23 +537,23 @@ def arm_flags(args, conv, arm):
         "--total-seq-len": f"{tsl} = max(longest sequence, train.py --batch-size {a.batch_size} x "
                            f"mean length {mean:.1f}): speculators packs tokens, train.py batches "
                            f"sequences",
-        "--hidden-states-dtype": f"{dt} (train.py --dtype {a.dtype} on this CPU)",
-        "--seed": f"{a.seed} (train.py --seed)",
+        "--hidden-states-dtype": f"{dt} (train.py --dtype {a.dtype} on this machine)",
+        "--seed": f"{args.seed} (train.py --seed; also its split)",
     }
     flags = ["--optimizer", "adamw", "--lr", repr(a.lr), "--weight-decay", repr(a.weight_decay),
              "--scheduler-type", "cosine", "--scheduler-warmup-ratio", repr(a.warmup),
              "--ttt-steps", str(a.ttt_length), "--ttt-step-loss-decay", repr(decay),
              "--loss-fn", "kl_div", "--no-norm-before-fc", "--no-norm-output",
              "--no-norm-before-residual", "--full-attention-indices", "0",
-             "--total-seq-len", str(tsl), "--hidden-states-dtype", dt, "--seed", str(a.seed)]
+             "--total-seq-len", str(tsl), "--hidden-states-dtype", dt, "--seed", str(args.seed)]
     not_mappable = [
-        f"AdamW betas: train.py (0.9, 0.95); speculators torch's default (0.9, 0.999), no flag "
-        f"(train/optimizers.py build_optimizers)",
+        "AdamW betas: train.py (0.9, 0.95); speculators torch's default (0.9, 0.999), no flag "
+        "(train/optimizers.py build_optimizers)",
         f"cosine floor: train.py --min-lr-ratio {a.min_lr_ratio}; speculators' cosine decays to 0",
         f"gradient clipping: train.py --grad-clip {a.grad_clip}; speculators fixed 1.0 "
         f"(train/trainer.py:551)",
         f"lm_head: train.py --lm-head-init {a.lm_head_init}, trained; speculators copies the "
-        f"target's lm_head rows for the draft vocabulary and freezes them (model.py:207)",
+        f"target's lm_head rows for the draft vocabulary and freezes them (speculators model.py:207)",
         f"fc init: train.py --fc-init {a.fc_init} (scaled to the captured layers' RMS); "
         f"speculators transformers' default (PreTrainedModel._init_weights: normal, std 0.02)",
         "loss rows: train.py drops rows whose target argmax is outside the draft vocabulary; "
@@ -626,7 +643,8 @@ def train_speculators(args, conv, arm):
     if proc.returncode != 0:
         with open(os.path.join(adir, "train.log")) as f:
             tail = [l.strip() for l in f if l.strip()]
-        last = next((l for l in reversed(tail) if "Error" in l or "error" in l), tail[-1] if tail else "")
+        last = next((l for l in reversed(tail) if "Error" in l or "error" in l),
+                    tail[-1] if tail else "")
         raise UserError(f"speculators' trainer ({arm}) failed (rc {proc.returncode}): "
                         f"{last[:300]}; log {adir}/train.log")
     ckpt = last_checkpoint(os.path.join(adir, "checkpoints"))
@@ -648,7 +666,7 @@ def train_speculators(args, conv, arm):
 
 def train_trainpy(args, conv):
     """This project's own train.py, same data, same token budget (its batches: train.batch_indices)."""
-    from train import batch_indices
+    from train_data import batch_indices
     a, _ = train_py_defaults()
     lengths_by_seq = {}
     for k, n in zip(conv["train_ids"] + conv["eval_ids"], conv["lengths"]):
@@ -656,7 +674,7 @@ def train_trainpy(args, conv):
     lens = [lengths_by_seq[k] for k in range(len(lengths_by_seq))]
     steps = tokens = 0
     while tokens < args.budget:
-        idx, _ = batch_indices(conv["train_ids"], steps, a.batch_size, a.seed, lens)
+        idx, _ = batch_indices(conv["train_ids"], steps, a.batch_size, args.seed, lens)
         tokens += sum(lens[k] for k in idx)
         steps += 1
     adir = os.path.join(args.work, "trainpy")
@@ -667,7 +685,8 @@ def train_trainpy(args, conv):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", args.data, "--out", adir,
            "--target", args.target_path, "--max-steps", str(steps), "--eval-every", str(steps),
            "--save-every", str(steps), "--threads", str(args.threads), "--no-progress",
-           "--producer-threads", str(args.threads)]
+           "--producer-threads", str(args.threads), "--eval-fraction", repr(args.eval_fraction),
+           "--seed", str(args.seed)]
     if (manifest.get("hidden") or {}).get("shards"):
         cmd.append("--offline")
     cmd += shlex.split(args.trainpy_flags)
@@ -770,9 +789,7 @@ def decode(args, conv, arm, ckpt, prompts):
     lines = (doc.stdout + doc.stderr).splitlines()
     res["doctor_original"] = {"rc": doc.returncode,
                               "fail": [l for l in lines if l.startswith("FAIL ") or "error:" in l]}
-    draft, note = ckpt, None
-    if doc.returncode != 0 or arm == "defaults":
-        draft, note = decode_view(args, conv, arm, ckpt)
+    draft, note = decode_view(args, conv, arm, ckpt)
     if draft != ckpt:
         doc = run_project([sys.executable, os.path.join(ROOT, "model.py"), draft, "--doctor",
                            "--target", args.target_path], os.path.join(adir, "doctor-view.log"))
@@ -780,10 +797,13 @@ def decode(args, conv, arm, ckpt, prompts):
         res["doctor_decoded"] = {"rc": doc.returncode,
                                  "fail": [l for l in lines if l.startswith("FAIL ") or "error:" in l]}
     res["decoded_draft"], res["decode_note"] = draft, note
+    fails = res["doctor_original"]["fail"]
     say(f"decode {arm}", f"doctor: rc {res['doctor_original']['rc']}"
-        + (f" ({len(res['doctor_original']['fail'])} FAIL/error lines)" if res['doctor_original']['fail'] else "")
+        + (f" ({len(fails)} FAIL/error lines)" if fails else "")
         + (f"; decoding {draft}" if draft != ckpt else ""))
     js = os.path.join(adir, "speculate.json")
+    if os.path.exists(js):
+        os.remove(js)
     cmd = [sys.executable, os.path.join(ROOT, "speculate.py"), "--draft", draft, "--target",
            args.target_path, "--check", "--dtype", "float32", "--prompts", prompts,
            "--max-new-tokens", str(args.max_new_tokens), "--steps", str(args.steps),
@@ -843,7 +863,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--data", help="generate.py data directory")
     ap.add_argument("--target", default=None, help="target (default: the manifest's)")
-    ap.add_argument("--work", default=None, help=f"work directory (default {WORK_ROOT}/<data name>-speculators)")
+    ap.add_argument("--work", default=None,
+                    help=f"work directory (default {WORK_ROOT}/<data name>-speculators)")
     ap.add_argument("--spec-python", default=SPEC_PYTHON,
                     help="python of the virtualenv holding speculators==0.9.0")
     ap.add_argument("--arms", default="defaults,ours", help=f"comma list of {', '.join(ARMS)}")
@@ -940,6 +961,9 @@ def main(argv=None):
     else:
         with open(os.path.join(args.work, "convert.json")) as f:
             conv = json.load(f)
+    if summary.get("convert_key") != conv["key"]:
+        summary["arms"] = {}          # results on other data (or another split) are not kept
+    summary["convert_key"] = conv["key"]
     summary["convert"] = {k: v for k, v in conv.items()
                           if k not in ("lengths", "train_ids", "eval_ids", "key")}
     if args.tokens is not None:
@@ -954,12 +978,30 @@ def main(argv=None):
     arms_out = summary.setdefault("arms", {})
     prompts = None
     for arm in arms:
-        r = arms_out.get(arm, {}) if "train" not in stages else {}
+        rec_file = os.path.join(args.work, arm, "train_record.json")
+        r = {}
         if "train" in stages:
             r = train_speculators(args, conv, arm) if arm != "trainpy" else train_trainpy(args, conv)
+            r["convert_key"] = conv["key"]
+            with open(rec_file, "w") as f:
+                json.dump(r, f, indent=1)
             arms_out[arm] = r
             save()
+        elif os.path.exists(rec_file):        # trained by an earlier run of this script
+            with open(rec_file) as f:
+                r = json.load(f)
+            if r.get("convert_key") != conv["key"]:
+                raise UserError(f"{rec_file}: trained on another conversion of the data; run "
+                                f"--stages train again")
         if "decode" in stages:
+            if not r.get("checkpoint"):       # trained by an earlier run of this script
+                d = os.path.join(args.work, arm)
+                if arm == "trainpy":
+                    from rundir import list_checkpoints
+                    ck = list_checkpoints(d) if os.path.isdir(d) else []
+                    r["checkpoint"] = ck[-1] if ck else None
+                else:
+                    r["checkpoint"] = last_checkpoint(os.path.join(d, "checkpoints"))
             if not r.get("checkpoint"):
                 raise UserError(f"--stages decode: arm {arm} has no trained checkpoint in "
                                 f"{summary_path}; run --stages train first")
