@@ -167,6 +167,7 @@ def check_static(path, rep, tcfg=None, target_embed=None):
     check_vocab(cfg, sd, rep)
     check_rope(cfg, d, layout, tcfg, rep)
     check_norm_flags(d, layout, names, cfg, views, rep)
+    check_window(cfg, rep)
     check_numbers(d, tensors, rep)
     check_tie(d, layout, rep)
     if layout == layouts.SPECULATORS and "embed_tokens.weight" not in tensors:
@@ -376,6 +377,19 @@ def check_rope(cfg, d, layout, tcfg, rep):
            f"{cfg.max_position_embeddings} >= the target's {want.max_position_embeddings}",
            f"{cfg.max_position_embeddings}; expected at least the target's "
            f"{want.max_position_embeddings} (a smaller one wrecked acceptance in public reports)")
+
+
+def check_window(cfg, rep):
+    """Sliding-window attention (speculators' trainer default, window 2048): equal to full
+    attention over any context up to the window, which is where this project runs it."""
+    W = cfg.sliding_window
+    if W is None:
+        rep.add("PASS", "attention", "full attention (no sliding window)")
+        return
+    rep.add("INFO", "sliding_window", f"{W} on every layer: vLLM 0.33.0 applies it (layer_types); "
+            f"SGLang 0.5.23 reads no config key for it (serve with --speculative-draft-window-size "
+            f"{W}, else it attends past {W} tokens); speculate.py and train.py run this draft only "
+            f"on contexts up to {cfg.max_context()} tokens, where it equals full attention")
 
 
 def check_tie(d, layout, rep):

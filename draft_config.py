@@ -45,6 +45,15 @@ class DraftConfig:
     norm_before_fc: bool = False
     norm_output: bool = False
     norm_before_residual: bool = False   # vLLM only (SGLang 0.5.23 never reads it)
+    # speculators' trainer default: sliding-window attention (layer_types "sliding_attention").
+    # Over a context of at most W tokens that is full attention exactly, so this project runs such
+    # a draft only there: max_context() caps every prompt + answer and training sequence at W.
+    sliding_window: int = None
+
+    def max_context(self):
+        """The longest context this draft is run on: its positions, or its sliding window."""
+        W = self.sliding_window
+        return self.max_position_embeddings if W is None else min(W, self.max_position_embeddings)
 
     def to_sglang_json(self):
         """The config.json that SGLang's LlamaForCausalLMEagle3 loader reads."""
@@ -63,8 +72,11 @@ class DraftConfig:
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.aux_layer_ids],
         }
         for k, v in asdict(self).items():
-            if k != "aux_layer_ids" and k not in ALL_FLAGS:
+            if k not in ("aux_layer_ids", "sliding_window") and k not in ALL_FLAGS:
                 d[k] = v
+        if self.sliding_window is not None:   # as speculators writes it; vLLM reads layer_types
+            d.update(use_sliding_window=True, sliding_window=self.sliding_window,
+                     layer_types=["sliding_attention"] * self.num_hidden_layers)
         # layout flags only when on (a default draft's config stays as it always was): fc_norm
         # and norm_output at the top level, norm_before_fc in eagle_config (both engines read
         # it there first)
@@ -117,19 +129,18 @@ ALL_FLAGS = LAYOUT_FLAGS + VLLM_ONLY_FLAGS
 # that a draft never uses); read and dropped.
 INERT_KEYS = {"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
               "initializer_range", "pretraining_tp", "use_cache", "pad_token_id",
-              "attention_dropout", "sliding_window", "max_window_layers", "output_attentions",
+              "attention_dropout", "max_window_layers", "output_attentions",
               "output_hidden_states", "return_dict", "target_layer_count",
               "speculators_metadata"}   # layouts.py: a speculators file's bookkeeping, kept for
                                         # the way back (verifier name, version, ...)
 # Keys with the one value this draft implements; any other value is refused.
 FIXED_KEYS = {"model_type": "llama", "hidden_act": "silu", "tie_word_embeddings": False,
               "attention_bias": False, "mlp_bias": False, "bias": False, "logit_scale": 1.0,
-              "use_sliding_window": False,
               "quantization_config": None}
 EAGLE_CONFIG_KEYS = {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "norm_before_fc"}
 # the rest: DraftConfig's fields, eagle_config, the vLLM copy of the layer ids, and these
 OTHER_KEYS = {"eagle_config", "eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states",
-              "use_aux_norm", "rope_parameters", "layer_types"}
+              "use_aux_norm", "rope_parameters", "layer_types", "use_sliding_window"}
 
 
 def normalize_config_keys(d, where):
@@ -146,8 +157,21 @@ def normalize_config_keys(d, where):
     for k, want in FIXED_KEYS.items():
         if k in d and d[k] != want:
             raise UserError(f"{where}: {k} is {d[k]!r}; this draft implements only {want!r}")
-    if any(t != "full_attention" for t in d.get("layer_types") or []):
-        raise UserError(f"{where}: layer_types {d['layer_types']}: only full attention is implemented")
+    # sliding window: vLLM reads layer_types (transformers' Llama too); use_sliding_window is the
+    # older switch, read only without layer_types. Sliding means the window in sliding_window, on
+    # every layer (the only case implemented); otherwise sliding_window is a leftover of the Llama
+    # config and means nothing.
+    types = d.pop("layer_types", None) or []
+    if any(t not in ("full_attention", "sliding_attention") for t in types) or len(set(types)) > 1:
+        raise UserError(f"{where}: layer_types {types}: expected all full_attention or all "
+                        f"sliding_attention")
+    W = d.pop("sliding_window", None)
+    switch = d.pop("use_sliding_window", False)
+    if "sliding_attention" in types or (switch and not types):
+        if not (isinstance(W, int) and not isinstance(W, bool) and W >= 1):
+            raise UserError(f"{where}: sliding attention with sliding_window {W!r}; expected a "
+                            f"positive integer")
+        d["sliding_window"] = W
     eagle = d.get("eagle_config") or {}
     if not isinstance(eagle, dict):
         raise UserError(f"{where}: eagle_config must be an object, got {eagle!r}")
@@ -256,7 +280,7 @@ def config_from_target(tcfg, draft_vocab_size=None, aux_layer_ids=None):
 # may differ from the automatic choice. The rest is fixed by the target and the data.
 SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-                "num_hidden_layers") + ALL_FLAGS
+                "num_hidden_layers", "sliding_window") + ALL_FLAGS
 
 
 def apply_draft_config(cfg, path, flag="--draft-config"):

@@ -348,11 +348,14 @@ class Speculator:
         P = len(prompt_ids)
         if max_new_tokens < 1:
             raise UserError(f"--max-new-tokens {max_new_tokens}: expected >= 1")
+        # (a sliding-window draft is run only within its window, where it is full attention)
+        window = "" if self.draft.config.sliding_window is None else " / sliding_window"
         for who, limit in (("target", self.target.config.max_position_embeddings),
-                           ("draft", self.draft.config.max_position_embeddings)):
+                           ("draft", self.draft.config.max_context())):
             if P + max_new_tokens + self.steps + 1 > limit:
                 raise UserError(f"prompt ({P} tokens) + --max-new-tokens {max_new_tokens} exceeds "
-                                f"the {who}'s max_position_embeddings {limit}")
+                                f"the {who}'s max_position_embeddings{window * (who == 'draft')} "
+                                f"{limit}")
         self.tcache = new_target_cache(self.target)
         self.dcache = self.draft.new_cache(capacity=P + max_new_tokens + self.num_draft_tokens * 2)
         # Prefill: the target's first token and its features for every prompt position.

@@ -25,7 +25,8 @@ TREE = LK + "::test_tree_accepts_deep_paths_and_beats_the_chain"
 CHAIN = LK + "::test_chain_accepts_exactly_what_the_draft_table_predicts"
 POS = LK + "::test_draft_positions"
 SP = "tests/test_speculate.py"
-SAMPLING = "tests/test_sampling.py::test_every_emitted_token_has_the_target_distribution"
+SAMPLING_FILE = "tests/test_sampling.py"
+SAMPLING = SAMPLING_FILE + "::test_every_emitted_token_has_the_target_distribution"
 TRAIN = "tests/test_train.py"
 BAD = "tests/test_bad_inputs.py"
 
@@ -165,7 +166,7 @@ MUTANTS = [
     ("generate-skips-max-new-tokens-check", "speculate.py",
      "        if max_new_tokens < 1:\n", "        if max_new_tokens < 0:\n", [BAD]),
     ("generate-ignores-draft-positions", "speculate.py",
-     "                           (\"draft\", self.draft.config.max_position_embeddings)):",
+     "                           (\"draft\", self.draft.config.max_context())):",
      "                           (\"draft\", 10 ** 9)):", [BAD]),
     ("cli-top-p-allows-0", "speculate.py",
      "    if not 0 < args.top_p <= 1:", "    if not 0 <= args.top_p <= 1:", [BAD]),
@@ -240,13 +241,14 @@ MUTANTS = [
     ("chain-residual-not-clamped", "speculate.py",
      "                resid = (p - q).clamp_min(0)", "                resid = (p - q).abs()", [SAMPLING]),
     ("tree-no-renormalise-after-rejection", "speculate.py",
-     "                p = p / p.sum()\n", "", [SAMPLING]),
+     "                p = p / p.sum()\n", "", [SAMPLING, SAMPLING_FILE + "::test_tree_siblings_rule_on_one_node"]),
     ("bonus-after-full-accept-is-argmax", "speculate.py",
      "                return path, sample(p, gen)\n            if tree.q",
      "                return path, int(p.argmax())\n            if tree.q", [SAMPLING]),
     ("first-token-greedy-when-sampling", "speculate.py",
      "        self.root = int(logits[-1].argmax()) if self.greedy else sample(",
-     "        self.root = int(logits[-1].argmax()) if True else sample(", [SAMPLING]),
+     "        self.root = int(logits[-1].argmax()) if True else sample(",
+     [SAMPLING, SAMPLING_FILE + "::test_first_token_is_sampled"]),
     ("resume-model-not-restored", "rundir.py",
      "    set_model_state_dict(module, sd, options=state_options(strict=False))\n", "",
      [TRAIN + "::test_kill_and_resume_gives_identical_weights"]),

@@ -288,3 +288,16 @@ def test_original_eagle_config_without_layer_ids(tmp_path, target):
         read_config(bad)
     rep = run(bad, target, prompts())
     assert any("eagle_aux_hidden_state_layer_ids" in f + m for f, m in fails(rep)), rep.lines
+
+
+def test_speculators_trained_default_draft_passes():
+    """A draft speculators' own trainer wrote with its defaults (tests/fixtures/speculators/
+    trained_defaults: sliding window, norm_before_residual, ...) passes, measured against the
+    target it was trained on; the window is said on its own line."""
+    t = make_tiny_target(vocab_size=49152, layers=8, eos_token_id=2)
+    rep = run(os.path.join(FIX, "trained_defaults"), t, prompts(V=49152), max_new_tokens=16)
+    assert not fails(rep), fails(rep)
+    got = {f: (s, m) for s, f, m in rep.lines}
+    assert got["lossless (this project's positions)"][0] == "PASS"
+    assert got["sliding_window"][0] == "INFO" and "--speculative-draft-window-size 2048" in \
+        got["sliding_window"][1]

@@ -275,7 +275,9 @@ def test_model_cli_applies_layout_keys(tmp_path):
     ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
     ({"num_aux_hidden_states": 5}, "num_aux_hidden_states 5"),
     ({"eagle_aux_hidden_state_layer_ids": [0, 3, 4]}, "top-level eagle_aux_hidden_state_layer_ids"),
-    ({"layer_types": ["sliding_attention"]}, "only full attention"),
+    ({"layer_types": ["sliding_attention"]}, "sliding attention with sliding_window None"),
+    ({"layer_types": ["full_attention", "sliding_attention"], "num_hidden_layers": 2},
+     "expected all full_attention or all sliding_attention"),
 ])
 def test_unapplied_keys_are_one_line_errors(tmp_path, keys, msg):
     import model

@@ -149,3 +149,54 @@ def test_wrong_samplers_fail(soft, monkeypatch, wrong, cfg, temperature, top_p):
     spec = cls(t, d, *cfg, temperature=temperature, top_p=top_p)
     stats = statistics(*emitted_with_reference(spec, t, temperature, top_p)[:2])
     assert not passes(stats), f"no power against {wrong}: {stats}"
+
+
+# ---- the rules one node at a time, against exact distributions -------------------------------
+# The pooled test above sees a rule only as often as the fixture exercises it; these give each
+# rule a distribution where getting it wrong moves a lot of mass, and draw many samples.
+
+def rank_chi2_ok(counts, probs):
+    """Pearson's statistic of observed counts against n * probs, below the 1e-6 tail bound."""
+    n = counts.sum()
+    E, O = n * probs, counts.double()
+    keep = E >= 5
+    E, O = torch.cat([E[keep], E[~keep].sum()[None]]), torch.cat([O[keep], O[~keep].sum()[None]])
+    O, E = O[E > 0], E[E > 0]
+    return float(((O - E) ** 2 / E).sum()) < chi2_bound(len(E) - 1)
+
+
+def test_tree_siblings_rule_on_one_node(soft):
+    """Root with three drafted children holding 45%, 30% and 15% of the target's mass: the first
+    emitted token must follow the target exactly. Without renormalising after a rejected sibling
+    the second child would come out at 0.55 * 30% instead of 30%."""
+    t, d = soft[0], soft[1][5.0]
+    spec = Speculator(t, d, 2, 3, 4, temperature=1.0)
+    V = t.config.vocab_size
+    p = torch.full((V,), 0.10 / (V - 3))
+    p[[7, 3, 11]] = torch.tensor([0.45, 0.30, 0.15])
+    logits = p.log()[None].expand(4, V).clone()
+    tree = speculate.Tree(tokens=[0, 7, 3, 11], parent=[-1, 0, 0, 0], depth=[0, 1, 1, 1],
+                          score=[0.0, -0.1, -0.2, -0.3])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V)
+    for _ in range(6000):
+        path, bonus = spec.accept_sample(tree, logits, g)
+        counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
+    assert rank_chi2_ok(counts, p.double())
+    assert counts[3] / counts.sum() > 0.25          # and the second child does come out
+
+
+def test_first_token_is_sampled(soft):
+    """The token after the prefill (no draft involved) is drawn from the target too."""
+    t, d = soft[0], soft[1][5.0]
+    for cfg in ((3, 1, 4), (3, 3, 6)):
+        spec = Speculator(t, d, *cfg, temperature=0.8, top_p=0.9)
+        prompt = lookup_prompts(1, seed=11, lo=6, hi=7)[0]
+        with torch.no_grad():
+            logits = t(input_ids=torch.tensor([prompt])).logits[0, -1]
+        p = reference_probs(logits[None], 0.8, 0.9)[0]
+        g = torch.Generator().manual_seed(1)
+        counts = torch.zeros(p.numel())
+        for _ in range(1500):
+            counts[spec.generate(prompt, 1, g)[0][0]] += 1
+        assert counts[p == 0].sum() == 0 and rank_chi2_ok(counts, p)

@@ -200,3 +200,63 @@ def test_bench_sglang_backend_refuses_speculators_layout(tmp_path):
     with pytest.raises(UserError, match="export sglang"):
         bench.main(["--backend", "sglang", "--target", str(tmp_path / "t"),
                     "--draft", fixture("eagle3"), "--config-list", "1,3,1,4"])
+
+
+# ---- a draft trained by speculators' own trainer with its defaults ---------------------------
+
+TRAINED = fixture("trained_defaults")
+
+
+def trained_target():
+    """The target that draft was trained on (its README): conftest's tiny target, vocab 49152."""
+    return make_tiny_target(vocab_size=49152, layers=8, eos_token_id=2)
+
+
+def test_trained_default_draft_reads_every_default():
+    """speculators' defaults: norm_before_fc, norm_output, norm_before_residual, sliding window
+    2048 on layer 0, the target's embedding (frozen)."""
+    cfg = read_config(TRAINED)
+    assert (cfg.norm_before_fc, cfg.norm_output, cfg.norm_before_residual, cfg.fc_norm) == \
+        (True, True, True, False)
+    assert cfg.sliding_window == 2048 and cfg.max_context() == cfg.max_position_embeddings == 512
+    target = trained_target()
+    draft = load_draft_for(TRAINED, target, torch.float32)   # (saved in bf16, as trained)
+    assert torch.equal(draft.embed_tokens.weight,
+                       target.model.embed_tokens.weight.bfloat16().float())
+
+
+@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 4, 8)])
+def test_trained_default_draft_decodes_losslessly(steps, topk, ndt):
+    target = trained_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20)    # greedy ties far above fp32 noise
+    spec = Speculator(target, load_draft_for(TRAINED, target, torch.float32), steps, topk, ndt)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        prompt = torch.randint(0, 49152, (10,), generator=g).tolist()
+        out, s = spec.generate(prompt, 20)
+        assert out == target_generate(target, prompt, 20)[0]
+        assert s["rounds"] >= 1
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    """Within its window a sliding-window draft is full attention exactly; past it this project
+    does not run it: a one-line error naming the window, never a silently different draft."""
+    import shutil
+    d = str(tmp_path / "w")
+    shutil.copytree(TRAINED, d)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    c["transformer_layer_config"]["sliding_window"] = 24
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f)
+    target = trained_target()
+    spec = Speculator(target, load_draft_for(d, target, torch.float32), 3, 1, 4)
+    spec.generate(list(range(5, 15)), 10)                     # 10 + 10 + 4 = 24: inside
+    with pytest.raises(UserError, match=r"sliding_window 24"):
+        spec.generate(list(range(5, 15)), 11)
+    # and the window survives the trip through SGLang's layout and back
+    layouts.export(d, "sglang", str(tmp_path / "sg"))
+    assert read_config(str(tmp_path / "sg")).sliding_window == 24
+    layouts.export(str(tmp_path / "sg"), "speculators", str(tmp_path / "back"))
+    assert_same_dir(d, str(tmp_path / "back"))
