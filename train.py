@@ -291,7 +291,9 @@ def build_draft(r):
     check_fits(cfg, target.config, where=f"{args.data}/manifest.json aux_layer_ids")
     if args.draft_config:
         cfg = apply_draft_config(cfg, args.draft_config)
-    check_data(manifest, r.seqs, target, tok, args.target, args.data, cfg.max_context())
+    check_data(manifest, r.seqs, target, tok, args.target, args.data, cfg.max_context(),
+               "max_position_embeddings" if cfg.sliding_window is None else
+               "max_position_embeddings / sliding_window")
     r.compute_dtype = parse_dtype(args.dtype)
     r.lm_w = target.get_output_embeddings().weight.detach().to(r.device, r.compute_dtype)
     embed = target.get_input_embeddings().weight.detach().float()

@@ -41,7 +41,8 @@ def read_data(path):
     return manifest, seqs, vocab
 
 
-def check_data(manifest, seqs, target, tok, target_name, data_path, max_positions):
+def check_data(manifest, seqs, target, tok, target_name, data_path, max_positions,
+               what="max_position_embeddings"):
     """The data set must come from this target and tokenizer and fit the draft."""
     tcfg = getattr(target.config, "text_config", target.config)
     if manifest["vocab_size"] != tcfg.vocab_size:
@@ -60,8 +61,7 @@ def check_data(manifest, seqs, target, tok, target_name, data_path, max_position
     for n, s in enumerate(seqs):
         if len(s["input_ids"]) > max_positions:
             raise UserError(f"--data {data_path}: sequence {n} has {len(s['input_ids'])} tokens, more "
-                            f"than the draft's max_position_embeddings (or sliding window) "
-                            f"{max_positions}")
+                            f"than the draft's {what} {max_positions}")
         if s["input_ids"] and not 0 <= min(s["input_ids"]) <= max(s["input_ids"]) < tcfg.vocab_size:
             raise UserError(f"--data {data_path}: sequence {n} has token ids outside the target "
                             f"vocabulary of {tcfg.vocab_size}")
