@@ -29,7 +29,7 @@ DIR is a generate.py data directory (with or without hidden-state shards). Every
         share this project's draft vocabulary.
  2. train (the venv's python): speculators' own `speculators train` entry point
     (TrainConfig.resolve + speculators.train.cli.main), behind a CPU shim written to
-    W/speculators_shim/ (below), once per arm:
+    results/speculators_venv/, once per arm:
       defaults  speculators' own defaults (Muon, lr 1e-3, linear decay, 1% warmup, TTT 3 with step
                 decay 1.0, kl_div, norm_before_fc + norm_output + norm_before_residual, frozen
                 lm_head from the target, sliding-window layer of 2048, packed batches of 8192
@@ -72,12 +72,9 @@ The CPU shim (speculators' trainer assumes an accelerator; nothing of speculator
   no effect on the math). models/utils.py:74 compiles forward only with CUDA, so CPU runs eager.
   A JSON-lines handler on the "speculators.metrics" logger writes W/<arm>/metrics.jsonl.
 
-Decoding a defaults-arm draft: its layer is sliding-window (transformer_layer_config
-use_sliding_window / layer_types, window 2048), which this project refuses by name
-(draft_config.py FIXED_KEYS, the doctor's config.json FAIL). When the window covers every
-context decoded (longest prompt + new tokens), sliding-window attention is full attention, so a
-copy of the checkpoint whose config.json says full attention (tensors symlinked, unchanged) is
-decoded instead; the summary says so ("decode_note"). Positions: speculators trains row p at RoPE
+Decoding a defaults-arm draft: its layer is sliding-window (layer_types, window 2048), which this
+project reads as such (draft_config.py) and runs only within the window, where it is full attention
+exactly (speculate.py refuses a longer context by name). Positions: speculators trains row p at RoPE
 position p + 1 (shift_batch keeps position_ids[1:]), this project at p; RoPE sees only position
 differences, so the shift changes nothing (the doctor decodes both conventions).
 """
@@ -94,12 +91,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common import UserError, run_main  # noqa: E402
+from peer_speculators_data import SHIM_DIR, convert, run_venv, say, venv_env  # noqa: E402
 
 SPEC_PYTHON = "/root/scratch/spec-venv/bin/python"
 WORK_ROOT = "/root/scratch/peer"
 ARMS = ("defaults", "ours", "trainpy")
-SPEC_DATA = "spec-data"
-SHIM_DIR = "speculators_shim"
 # the fields of speculators' resolved run.yaml worth having in the summary
 RESOLVED_KEYS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay",
                  "scheduler_type", "scheduler_warmup_steps", "scheduler_warmup_ratio", "ttt_steps",
@@ -108,365 +104,6 @@ RESOLVED_KEYS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_deca
                  "sliding_window", "full_attention_indices", "draft_attn_impl", "total_seq_len",
                  "hidden_states_dtype", "train_data_ratio", "target_layer_ids", "draft_vocab_size",
                  "epochs", "max_steps", "seed", "num_layers")
-
-
-def say(stage, msg):
-    print(f"[{stage}] {msg}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# What runs in the speculators virtualenv (written into W/speculators_shim/)
-
-CPU_SHIM = r'''
-"""CPU shim for speculators 0.9.0's trainer (results/peer_speculators.py says why, file:line).
-Patches objects at run time; no file of speculators is changed. Does nothing on a machine with
-an accelerator."""
-import json
-import logging
-import time
-
-import torch
-
-
-def install(metrics_path=None):
-    if torch.accelerator.current_accelerator() is None:
-        # train/trainer.py:80,92: _StepTimer.mark/now synchronize; raises without an accelerator
-        torch.accelerator.synchronize = lambda *a, **k: None
-        import speculators.train.trainer as trainer
-        # train/trainer.py:348,533,643: .to(self.local_rank) with local_rank 0 means cuda:0
-        trainer.get_local_rank = lambda: torch.device("cpu")
-        orig_init = trainer.Trainer.__init__
-
-        def init(self, *a, **k):
-            orig_init(self, *a, **k)
-            # train/trainer.py:228: "cuda" when there is no accelerator (autocast device type)
-            self.device_type = "cpu"
-        trainer.Trainer.__init__ = init
-    if metrics_path:
-        import speculators.train.cli as cli
-        orig_setup = cli.setup_metric_logger
-
-        class Jsonl(logging.Handler):
-            def __init__(self):
-                super().__init__()
-                self.f = open(metrics_path, "a")
-
-            def emit(self, record):
-                if isinstance(record.msg, dict) and not getattr(record, "hparams", False):
-                    self.f.write(json.dumps({"time": time.time(), **record.msg}, default=float) + "\n")
-                    self.f.flush()
-
-        def setup(*a, **k):
-            orig_setup(*a, **k)              # dictConfig: our handler must come after it
-            logging.getLogger("speculators.metrics").addHandler(Jsonl())
-        cli.setup_metric_logger = setup
-'''
-
-SPEC_TRAIN = r'''
-"""speculators' own `speculators train` (cli/train.py: main(TrainConfig.resolve(args))), behind
-cpu_shim. Usage: spec_train.py METRICS_JSONL THREADS -- <speculators train flags>
-(METRICS_JSONL "-resolve-": print the fully resolved flat config as JSON and exit)"""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch  # noqa: E402
-
-import cpu_shim  # noqa: E402
-
-metrics, threads = sys.argv[1], int(sys.argv[2])
-assert sys.argv[3] == "--"
-torch.set_num_threads(threads)
-cpu_shim.install(metrics)
-from importlib.metadata import version  # noqa: E402
-assert version("speculators") == "0.9.0", version("speculators")
-from speculators.train.cli import main  # noqa: E402
-from speculators.train.config import TrainConfig  # noqa: E402
-
-cfg = TrainConfig.resolve(sys.argv[4:])
-if metrics == "-resolve-":
-    import json
-    print(json.dumps(cfg.flatten(), default=str))
-    sys.exit(0)
-main(cfg)
-'''
-
-SPEC_ARROW = r'''
-"""rows.jsonl (input_ids, loss_mask, seq_len) -> the Arrow data set speculators' ArrowDataset
-reads (as cli/prepare_data.py writes it: set_format("torch") then save_to_disk)."""
-import json
-import sys
-
-import torch
-from datasets import Dataset, load_from_disk
-
-src, out = sys.argv[1], sys.argv[2]
-rows = [json.loads(l) for l in open(src)]
-cols = {k: [r[k] for r in rows] for k in ("input_ids", "loss_mask", "seq_len")}
-ds = Dataset.from_dict(cols)
-ds.set_format(type="torch")
-ds.save_to_disk(out)
-back = load_from_disk(out)
-assert len(back) == len(rows)
-for i in (0, len(rows) - 1):
-    assert isinstance(back[i]["input_ids"], torch.Tensor), type(back[i]["input_ids"])
-    assert back[i]["input_ids"].tolist() == rows[i]["input_ids"]
-    assert back[i]["loss_mask"].tolist() == rows[i]["loss_mask"]
-print(json.dumps({"rows": len(back), "columns": back.column_names}))
-'''
-
-SPEC_PLAN = r'''
-"""How many of speculators' packed batches (its own MultipackDistributedBatchSamplerV2, as
-train/dataloader.py builds it for the training split) hold a token budget: JSON in, JSON out."""
-import json
-import sys
-
-from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-
-p = json.loads(sys.argv[1])
-lengths = p["lengths"]
-s = MultipackDistributedBatchSamplerV2(batch_max_length=p["total_seq_len"], lengths=lengths,
-                                       num_replicas=1, rank=0, seed=p["seed"])
-steps = tokens = epoch = 0
-per_epoch = []
-while tokens < p["tokens"]:
-    s.set_epoch(epoch)
-    batches = list(iter(s))
-    per_epoch.append(len(batches))
-    for b in batches:
-        tokens += sum(min(lengths[i], p["total_seq_len"]) for i in b)
-        steps += 1
-        if tokens >= p["tokens"]:
-            break
-    epoch += 1
-print(json.dumps({"steps": steps, "epochs": epoch, "tokens": tokens,
-                  "batches_per_epoch": per_epoch[0], "total_seq_len": p["total_seq_len"]}))
-'''
-
-
-def write_shim(work):
-    d = os.path.join(work, SHIM_DIR)
-    os.makedirs(d, exist_ok=True)
-    for name, text in (("cpu_shim.py", CPU_SHIM), ("spec_train.py", SPEC_TRAIN),
-                       ("spec_arrow.py", SPEC_ARROW), ("spec_plan.py", SPEC_PLAN)):
-        with open(os.path.join(d, name), "w") as f:
-            f.write(text.lstrip())
-    return d
-
-
-def venv_env(threads):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads), COLUMNS="160", TERM="dumb", PYTHONUNBUFFERED="1")
-    env.pop("PYTHONPATH", None)     # nothing of this project in the venv, nothing of it here
-    return env
-
-
-def run_venv(args, script, argv, what, log=None):
-    """Run a helper in the speculators venv; its last stdout line is JSON. One-line error."""
-    cmd = [args.spec_python, os.path.join(args.work, SHIM_DIR, script)] + argv
-    p = subprocess.run(cmd, capture_output=True, text=True, env=venv_env(args.threads),
-                       cwd=args.work)
-    if log:
-        with open(log, "w") as f:
-            f.write(p.stdout + p.stderr)
-    if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise UserError(f"--spec-python {args.spec_python}: {what} failed (rc {p.returncode}): "
-                        f"{last[:300]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-# ----------------------------------------------------------------------------------------------
-# Step 1: the data, in speculators' offline format
-
-def prenorm_states(target, seqs, layer_ids, batch_size):
-    """For each token-id list: (aux [T, n*Ht] = outputs of decoder layers `layer_ids`, pre [T, Ht]
-    = the last decoder layer's output before the final norm, post [T, Ht] = transformers'
-    hidden_states[-1]), in the target's dtype on CPU, plus whether norm(pre) == post held exactly
-    on every batch (it says hidden_states[-1] is after the norm, so `pre` is the state before it).
-    Batched longest first with right padding, as hidden.target_hidden_states."""
-    import torch
-    decoder = target.base_model
-    norm = getattr(decoder, "norm", None)
-    if not isinstance(norm, torch.nn.Module):
-        raise UserError(f"--target: {type(decoder).__name__} has no final norm module `norm`; "
-                        f"cannot capture the state before it")
-    got = {}
-    hook = norm.register_forward_pre_hook(lambda m, a: got.__setitem__("pre", a[0]))
-    dev = next(target.parameters()).device
-    order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k]))
-    out, exact = [None] * len(seqs), True
-    try:
-        with torch.inference_mode():
-            for s in range(0, len(order), batch_size):
-                idx = order[s:s + batch_size]
-                lens = [len(seqs[k]) for k in idx]
-                T = max(lens)
-                ids = torch.zeros((len(idx), T), dtype=torch.long)
-                mask = torch.zeros((len(idx), T), dtype=torch.long)
-                for r, k in enumerate(idx):
-                    ids[r, :lens[r]] = torch.as_tensor(seqs[k])
-                    mask[r, :lens[r]] = 1
-                got.clear()
-                res = decoder(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                              output_hidden_states=True, use_cache=False)
-                hs = res.hidden_states
-                if "pre" not in got:
-                    raise UserError("--target: the final norm was never called in a forward")
-                pre, post = got.pop("pre"), hs[-1]
-                exact &= bool(torch.equal(norm(pre), post)) and not bool(torch.equal(pre, post))
-                aux = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
-                for r, k in enumerate(idx):
-                    n = lens[r]
-                    out[k] = (aux[r, :n].cpu().clone(), pre[r, :n].cpu().clone(),
-                              post[r, :n].cpu().clone())
-    finally:
-        hook.remove()
-    return out, exact
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def data_key(args, manifest):
-    st = os.stat(os.path.join(args.data, "manifest.json"))
-    return {"data": os.path.abspath(args.data), "manifest_mtime": st.st_mtime,
-            "num_sequences": manifest["num_sequences"], "eval_fraction": args.eval_fraction,
-            "seed": args.seed, "hs_dtype": args.hs_dtype, "target_dtype": args.target_dtype,
-            "aux_from": args.aux_from, "loss_mask": args.loss_mask, "target": args.target_path}
-
-
-def convert(args):
-    """generate.py directory -> W/spec-data (module docstring, step 1). Returns the record."""
-    import numpy as np
-    import torch
-    from safetensors.torch import save_file
-    from common import load_target, parse_dtype
-    from hidden import hidden_states_for
-    from train_data import read_data, split_data
-    t0 = time.time()
-    manifest, seqs, vocab = read_data(args.data)
-    rec_path = os.path.join(args.work, "convert.json")
-    key = data_key(args, manifest)
-    out = os.path.join(args.work, SPEC_DATA)
-    if not args.force and os.path.exists(rec_path):
-        with open(rec_path) as f:
-            rec = json.load(f)
-        if rec.get("key") == key and os.path.isdir(os.path.join(out, "hidden_states")):
-            say("convert", f"reusing {out} (same data and settings; --force redoes it)")
-            return rec
-    ids_ours = list(manifest["aux_layer_ids"])
-    train_ids, eval_ids = split_data(len(seqs), args.eval_fraction, args.seed)
-    if not eval_ids:
-        raise UserError(f"--eval-fraction {args.eval_fraction}: speculators' trainer needs a "
-                        f"validation split (train_data_ratio < 1); use > 0")
-    rows = train_ids + eval_ids
-    n, n_train = len(rows), len(train_ids)
-    ratio = (n_train + 0.5) / n
-    assert int(n * ratio) == n_train, (n, n_train, ratio)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.makedirs(os.path.join(args.work, "src"), exist_ok=True)
-    shift = args.loss_mask == "train-py"
-    rows_path = os.path.join(args.work, "src", "rows.jsonl")
-    with open(rows_path, "w") as f:
-        for k in rows:
-            s = seqs[k]
-            m = [int(x) for x in s["loss_mask"]]
-            if shift:   # speculators counts row r if x[r+1] is masked; train.py if x[r+2] is
-                m = m[1:] + [0]
-            f.write(json.dumps({"input_ids": s["input_ids"], "loss_mask": m,
-                                "seq_len": len(s["input_ids"])}) + "\n")
-    say("convert", f"{n} sequences ({n_train} train.py training sequences first, {n - n_train} "
-                   f"held out last; --train-data-ratio {ratio:.6f}); writing the Arrow data set")
-    arrow = run_venv(args, "spec_arrow.py", [rows_path, out], "writing the Arrow data set")
-
-    # the hidden states: the shards' aux (what train.py --offline reads) or the target's, and
-    # the pre-norm final state, always from the target
-    has_shards = bool((manifest.get("hidden") or {}).get("shards"))
-    aux_from = args.aux_from if args.aux_from != "auto" else ("shards" if has_shards else "target")
-    if aux_from == "shards" and not has_shards:
-        raise UserError(f"--aux-from shards: {args.data} has no hidden-state shards "
-                        f"(generate.py --hidden-states)")
-    say("convert", f"loading target {args.target_path} ({args.target_dtype}) for the final "
-                   f"pre-norm states; captured layers from the {aux_from}")
-    target, _ = load_target(args.target_path, args.target_dtype)
-    hd = parse_dtype(args.hs_dtype)
-    hdir = os.path.join(out, "hidden_states")
-    os.makedirs(hdir)
-    exact_all, worst_aux, worst_final, done, tok = True, 0.0, 0.0, 0, 0
-    chunk = max(args.target_batch_size * 8, 64)
-    for c in range(0, n, chunk):
-        part = rows[c:c + chunk]
-        res, exact = prenorm_states(target, [seqs[k]["input_ids"] for k in part], ids_ours,
-                                    args.target_batch_size)
-        exact_all &= exact
-        for j, (k, (aux, pre, post)) in enumerate(zip(part, res)):
-            if has_shards:
-                s_aux, s_final = hidden_states_for(args.data, manifest, k)
-                if s_aux.shape != aux.shape or s_final.shape != post.shape:
-                    raise UserError(f"{args.data}: shard of sequence {k} holds aux "
-                                    f"{list(s_aux.shape)} / final {list(s_final.shape)}, the "
-                                    f"target gives {list(aux.shape)} / {list(post.shape)}")
-                worst_aux = max(worst_aux, rel_err(s_aux, aux))
-                worst_final = max(worst_final, rel_err(s_final, post))
-                if aux_from == "shards":
-                    aux = s_aux
-            T, H = pre.shape
-            hs = torch.cat([aux.to(hd).reshape(T, len(ids_ours), H), pre.to(hd).unsqueeze(1)], 1)
-            save_file({"hidden_states": hs.contiguous(),
-                       "token_ids": torch.as_tensor(seqs[k]["input_ids"], dtype=torch.long)},
-                      os.path.join(hdir, f"hs_{c + j}.safetensors"))
-            tok += T
-        done += len(part)
-        say("convert", f"hidden states {done}/{n} sequences ({tok:,} tokens)")
-    del target
-    if not exact_all:
-        raise UserError(f"--target {args.target_path}: norm(state before the final norm) is not "
-                        f"transformers' hidden_states[-1] here; the 'final before norm' state "
-                        f"cannot be told apart, nothing written")
-    # bf16 shards against an fp32 forward differ by ~2^-8 of a value; a different target or
-    # different data by O(1)
-    if has_shards and max(worst_aux, worst_final) > 0.1:
-        raise UserError(f"{args.data}/hidden: the stored states differ from the target's by up to "
-                        f"{max(worst_aux, worst_final):.3g} (relative): not this target's (or "
-                        f"--target-dtype {args.target_dtype} is not the one they were made in)")
-    V, Vd = manifest["vocab_size"], manifest["draft_vocab_size"]
-    d2t = vocab["d2t"].long().numpy()
-    t2d = vocab["t2d"].bool().numpy()
-    np.save(os.path.join(out, f"d2t-{Vd}.npy"), d2t)
-    np.save(os.path.join(out, f"t2d-{Vd}.npy"), t2d)
-    lengths = [len(seqs[k]["input_ids"]) for k in rows]
-    rec = {
-        "key": key, "spec_data": out, "arrow": arrow, "num_rows": n, "train_rows": n_train,
-        "val_rows": n - n_train, "train_data_ratio": ratio,
-        "train_tokens": sum(lengths[:n_train]), "lengths": lengths,
-        "train_ids": train_ids, "eval_ids": eval_ids,
-        "loss_mask": ("assistant tokens, shifted left by one (speculators then counts the rows "
-                      "train.py counts)" if shift else "assistant tokens (generate.py's mask, as "
-                      "speculators' prepare_data writes it)"),
-        "loss_tokens": sum(sum(seqs[k]["loss_mask"]) for k in rows),
-        "hidden_states": {"shape": f"[T, {len(ids_ours) + 1}, {manifest.get('hidden_size')}]",
-                          "dtype": args.hs_dtype, "aux_from": aux_from,
-                          "final": "last decoder layer's output before the final norm "
-                                   "(forward pre-hook on the final norm)",
-                          "norm_of_pre_equals_hidden_states_minus_1_exactly": exact_all,
-                          "shards_vs_target_rel_err": ({"aux": worst_aux, "final_post_norm": worst_final}
-                                                       if has_shards else None)},
-        "aux_layer_ids": {"this_project_output_of_layer": ids_ours,
-                          "speculators_input_of_layer": [i + 1 for i in ids_ours]},
-        "draft_vocab_size": Vd, "vocab_size": V,
-        "vocab_files": [f"d2t-{Vd}.npy", f"t2d-{Vd}.npy"],
-        "seconds": round(time.time() - t0, 1),
-    }
-    with open(rec_path, "w") as f:
-        json.dump(rec, f, indent=1)
-    say("convert", f"done in {rec['seconds']} s: {out} ({tok:,} tokens; pre-norm check exact: "
-                   f"{exact_all}" + (f"; shards vs target: aux {worst_aux:.2g}, final "
-                                     f"{worst_final:.2g} relative" if has_shards else "") + ")")
-    return rec
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,7 +253,7 @@ def train_speculators(args, conv, arm):
               "--save-path", os.path.join(adir, "checkpoints"),
               "--log-dir", os.path.join(adir, "logs")]
     metrics = os.path.join(adir, "metrics.jsonl")
-    cmd = [args.spec_python, os.path.join(args.work, SHIM_DIR, "spec_train.py"), metrics,
+    cmd = [args.spec_python, os.path.join(SHIM_DIR, "spec_train.py"), metrics,
            str(args.threads), "--"] + flags
     resolved.update(epochs=p["epochs"], max_steps=p["steps"])
     with open(os.path.join(adir, "command.txt"), "w") as f:
@@ -715,40 +352,6 @@ def train_trainpy(args, conv):
 # ----------------------------------------------------------------------------------------------
 # Step 3: this project's doctor and speculate.py on the result
 
-def decode_view(args, conv, arm, ckpt):
-    """A speculators draft with a sliding-window layer (its default) whose window covers every
-    context decoded here is exactly a full-attention draft: such a copy, config edited and
-    nothing else, is what this project can load (draft_config.py refuses sliding windows).
-    Returns (directory to decode, note or None)."""
-    with open(os.path.join(ckpt, "config.json")) as f:
-        d = json.load(f)
-    tl = d.get("transformer_layer_config") or {}
-    types = tl.get("layer_types") or []
-    if not (tl.get("use_sliding_window") or any(t != "full_attention" for t in types)):
-        return ckpt, None
-    win = tl.get("sliding_window")
-    need = args.longest_prompt + args.max_new_tokens + args.steps + 1
-    if not isinstance(win, int) or win < need:
-        raise UserError(f"{ckpt}/config.json: sliding window {win} is shorter than the longest "
-                        f"context decoded here ({need} tokens): this project has no sliding-window "
-                        f"attention to decode it exactly")
-    view = os.path.join(args.work, arm, "decode-draft")
-    if os.path.exists(view):
-        shutil.rmtree(view)
-    os.makedirs(view)
-    for name in os.listdir(ckpt):
-        if name.endswith(".safetensors"):
-            os.symlink(os.path.join(ckpt, name), os.path.join(view, name))
-    tl = dict(tl, use_sliding_window=False, layer_types=["full_attention"] * len(types or [0]))
-    tl.pop("sliding_window", None)
-    d = dict(d, transformer_layer_config=tl)
-    with open(os.path.join(view, "config.json"), "w") as f:
-        json.dump(d, f, indent=2)
-    return view, (f"speculators' draft has sliding-window attention (window {win}); every "
-                  f"context decoded here is <= {need} tokens, inside the window, so the decoded "
-                  f"copy {view} says full attention (config only; the tensors are the checkpoint's)")
-
-
 def eval_prompts(args, conv):
     if args.prompts:
         src = args.prompts
@@ -766,10 +369,6 @@ def eval_prompts(args, conv):
     out = os.path.join(args.work, "src", "prompts.jsonl")
     with open(out, "w") as f:
         f.writelines(lines)
-    # the longest prompt as speculate.py renders it (common.read_prompts, chat_prompt_ids)
-    from common import chat_prompt_ids, load_tokenizer, read_prompts
-    tok = load_tokenizer(args.target_path)
-    args.longest_prompt = max(len(chat_prompt_ids(tok, m)) for m in read_prompts(out))
     return out, src, len(lines)
 
 
@@ -789,18 +388,12 @@ def decode(args, conv, arm, ckpt, prompts):
     lines = (doc.stdout + doc.stderr).splitlines()
     res["doctor_original"] = {"rc": doc.returncode,
                               "fail": [l for l in lines if l.startswith("FAIL ") or "error:" in l]}
-    draft, note = decode_view(args, conv, arm, ckpt)
-    if draft != ckpt:
-        doc = run_project([sys.executable, os.path.join(ROOT, "model.py"), draft, "--doctor",
-                           "--target", args.target_path], os.path.join(adir, "doctor-view.log"))
-        lines = (doc.stdout + doc.stderr).splitlines()
-        res["doctor_decoded"] = {"rc": doc.returncode,
-                                 "fail": [l for l in lines if l.startswith("FAIL ") or "error:" in l]}
-    res["decoded_draft"], res["decode_note"] = draft, note
+    # (a sliding-window draft, speculators' default, is read as such: speculate.py runs it
+    # within its window, where it is full attention, and refuses a longer context)
+    draft = ckpt
     fails = res["doctor_original"]["fail"]
     say(f"decode {arm}", f"doctor: rc {res['doctor_original']['rc']}"
-        + (f" ({len(fails)} FAIL/error lines)" if fails else "")
-        + (f"; decoding {draft}" if draft != ckpt else ""))
+        + (f" ({len(fails)} FAIL/error lines)" if fails else ""))
     js = os.path.join(adir, "speculate.json")
     if os.path.exists(js):
         os.remove(js)
@@ -942,7 +535,6 @@ def main(argv=None):
     if os.path.realpath(args.work).startswith(os.path.realpath(ROOT) + os.sep):
         raise UserError(f"--work {args.work}: inside the git tree; choose a directory outside it")
     os.makedirs(args.work, exist_ok=True)
-    write_shim(args.work)
     summary_path = args.summary or os.path.join(args.work, "summary.json")
     summary = {}
     if os.path.exists(summary_path):
