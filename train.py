@@ -497,6 +497,25 @@ def train_loop(r):
     def say(msg):
         (bar.write(msg, file=sys.stderr) if bar is not None else print(msg, file=sys.stderr))
 
+    def held_out_eval(step):
+        nonlocal best_replay
+        module.eval()
+        m = evaluate(r)
+        module.train()
+        log({"step": step, "split": "eval", "tokens": r.tokens_seen, **m})
+        if args.keep_best and m["replay_accept_3"] > best_replay:
+            best_replay = m["replay_accept_3"]
+            save_best(args.out, step, module, r.cfg, rank, export_dtype, m)
+        if rank == 0:
+            write_plots(args.out, r.log_path)
+            say(f"eval step {step}: loss {m['loss']:.3f}, acc "
+                f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
+                f"{m['accept_len_3']:.2f} simulated, {m['replay_accept_3']:.2f} replayed")
+
+    if r.eval_batches and r.start == 0 and args.init:
+        # the starting draft's own held-out numbers, step 0: where a continued run's curve
+        # begins, and --keep-best's answer if training on never beats it
+        held_out_eval(0)
     module.train()
     while step < r.stop_at:
         # ---- one step: forward (TTT), backward, clip, and one all-reduce of what ranks share
@@ -548,18 +567,7 @@ def train_loop(r):
             win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, r.source.wait
         # ---- held-out eval (and the best checkpoint by replayed accept length)
         if r.eval_batches and (step % args.eval_every == 0 or step == r.total):
-            module.eval()
-            m = evaluate(r)
-            module.train()
-            log({"step": step, "split": "eval", "tokens": r.tokens_seen, **m})
-            if args.keep_best and m["replay_accept_3"] > best_replay:
-                best_replay = m["replay_accept_3"]
-                save_best(args.out, step, module, r.cfg, rank, export_dtype, m)
-            if rank == 0:
-                write_plots(args.out, r.log_path)
-                say(f"eval step {step}: loss {m['loss']:.3f}, acc "
-                    f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
-                    f"{m['accept_len_3']:.2f} simulated, {m['replay_accept_3']:.2f} replayed")
+            held_out_eval(step)
         # ---- checkpoints, and the exit on Ctrl-C / SIGTERM
         if step % args.save_every == 0 or step == r.stop_at or stopping:
             last_ckpt = checkpoint(step)

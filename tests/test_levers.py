@@ -112,3 +112,28 @@ def test_lever_flag_errors(extra, msg):
     args = train.parse_args(["--data", "d", "--out", "o"] + extra)
     with pytest.raises(UserError, match=msg):
         train.check_args(args)
+
+
+def test_continued_run_evaluates_its_start(tmp_path, dirs):
+    """A run with --init logs the starting draft's held-out eval as step 0 (the same numbers the
+    run that made it logged last, on the same split), and --keep-best can answer "the start"."""
+    _, data = dirs
+    first = str(tmp_path / "first")
+    flags = ["--data", data, "--offline", "--batch-size", "2", "--ttt-length", "2",
+             "--eval-fraction", "0.25", "--export-dtype", "float32"] + FP32
+    run_train(flags + ["--out", first, "--max-steps", "30", "--lr", "3e-2"])
+    import rundir
+    last = [json.loads(x) for x in open(os.path.join(first, "log.jsonl"))][-1]
+    assert last["split"] == "eval" and last["step"] == 30
+    # a learning rate that wrecks the draft: the best held-out eval is the one before training
+    again = str(tmp_path / "again")
+    run_train(flags + ["--out", again, "--max-steps", "2", "--lr", "30", "--eval-every", "1",
+                       "--keep-best", "--init", rundir.list_checkpoints(first)[-1]])
+    evals = [json.loads(x) for x in open(os.path.join(again, "log.jsonl"))]
+    evals = [r for r in evals if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2] and evals[0]["tokens"] == 0
+    assert abs(evals[0]["replay_accept_3"] - last["replay_accept_3"]) < 1e-6
+    assert max(abs(a - b) for a, b in zip(evals[0]["acc_j"], last["acc_j"])) < 1e-6
+    assert evals[0]["replay_accept_3"] > max(r["replay_accept_3"] for r in evals[1:])
+    best = json.load(open(os.path.join(again, "best", "best.json")))
+    assert best["step"] == 0
