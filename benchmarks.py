@@ -96,6 +96,24 @@ def conversation(item, turn, answers):
     return msgs + [{"role": "user", "content": item.turns[turn]}]
 
 
+def greedy_turn_prompts(target, tok, items, max_new_tokens, stop, progress=True):
+    """Token ids of every turn of every item, later turns after the target's own greedy answers
+    to the earlier ones (what a draft is measured on when only its accept length matters)."""
+    from tqdm import tqdm
+    from common import chat_prompt_ids
+    from speculate import target_generate
+    prompts = []
+    for it in tqdm(items, desc="greedy answers", file=sys.stderr, disable=not progress):
+        answers = []
+        for j in range(len(it.turns)):
+            ids = chat_prompt_ids(tok, conversation(it, j, answers))
+            prompts.append(ids)
+            if j + 1 < len(it.turns):
+                ans, _ = target_generate(target, ids, max_new_tokens, 0.0, 1.0, stop)
+                answers.append(tok.decode(ans, skip_special_tokens=True))
+    return prompts
+
+
 # ----------------------------------------------------------------------------------------------
 # Configs
 

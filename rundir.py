@@ -165,7 +165,8 @@ def write_plots(run_dir, log_path):
               title="simulated accept length")
     for a in ax:
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:     # a run's first record may be its step-0 eval
+            a.legend(fontsize=8)
     fig.tight_layout()
     tmp = os.path.join(run_dir, ".curves.png")
     fig.savefig(tmp, dpi=90)

@@ -62,10 +62,10 @@ def main():
 
     import torch
     from tqdm import tqdm
-    from benchmarks import conversation, parse_benchmark
-    from common import chat_prompt_ids, load_target, pack_linears, stop_token_ids
+    from benchmarks import greedy_turn_prompts, parse_benchmark
+    from common import load_target, pack_linears, stop_token_ids
     from model import load_draft_for
-    from speculate import Speculator, target_generate
+    from speculate import Speculator
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -77,14 +77,7 @@ def main():
     stop = stop_token_ids(tok, target.generation_config)
 
     # Prompts: first turns, then second turns after the target's own greedy first answer.
-    prompts = []
-    for it in tqdm(items, desc="first answers", file=sys.stderr):
-        ids = chat_prompt_ids(tok, conversation(it, 0, []))
-        prompts.append(ids)
-        if len(it.turns) > 1:
-            ans, _ = target_generate(target, ids, args.max_new_tokens, 0.0, 1.0, stop)
-            prompts.append(chat_prompt_ids(
-                tok, conversation(it, 1, [tok.decode(ans, skip_special_tokens=True)])))
+    prompts = greedy_turn_prompts(target, tok, items, args.max_new_tokens, stop)
 
     points = []
     for step, path in tqdm(ckpts, desc="checkpoints", file=sys.stderr):

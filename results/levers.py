@@ -1,0 +1,254 @@
+"""Benchmark (not a unit test): issue 23's recipe levers, one change at a time, same data, same seed,
+same held-out set, compared at equal compute.
+
+    python results/levers.py run --data DATA --runs RUNS --arms continued/base,scratch/eagle31
+    python results/levers.py summary --runs RUNS [--mtbench 8]
+
+Two protocols, because this CPU cannot train a draft from nothing past the early regime per arm:
+- `continued`: every arm starts from the shipped draft (`--init`, 13.85M training tokens already:
+  past the early regime by construction) and trains on data new to it (written with its vocabulary,
+  `generate.py --vocab-from`). Only levers that apply to a trained draft can run here: the loss rows,
+  a frozen lm_head, the checkpoint choice. The starting draft's own held-out numbers are step 0.
+- `scratch`: every arm starts from a random draft. Architecture levers (EAGLE-3.1 norms, layers)
+  can only run here; it is the early regime, so its ranking is checked against `continued` on
+  the levers both can run.
+
+"Equal compute" is measured, not assumed: each train record of log.jsonl carries the window's
+tokens and tokens_per_s, so a run's training seconds at every eval are known; `summary`
+interpolates each arm's replayed accept length at the base arm's total training seconds (an arm
+with cheaper steps, a frozen lm_head, gets more tokens in the same time; two layers get fewer).
+Arms run as single-process trainers side by side (one thread each), so their step times are
+comparable with each other, not with a quiet machine.
+
+Writes RUNS/levers.json and RUNS/levers.png (atomically) and prints a Markdown table.
+"""
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from common import UserError, atomic_write, atomic_write_text, run_main  # noqa: E402
+
+SHIPPED = os.path.join(ROOT, "drafts", "smollm2-135m-eagle3-11k2")
+COMMON = ["--offline", "--ttt-length", "3", "--batch-size", "8", "--warmup", "0.03",
+          "--eval-fraction", "0.1", "--threads", "1", "--keep", "1", "--keep-best",
+          "--save-every", "30", "--no-progress"]
+PROTOCOLS = {
+    # the lineage's continued-training flags (README, Training further), 2 epochs
+    "continued": ["--init", SHIPPED, "--lr", "1e-4", "--epochs", "2", "--eval-every", "10"],
+    # the recipe's flags from nothing (README, Recipe ablations' arm B)
+    "scratch": ["--lr", "1e-3", "--max-steps", "100", "--eval-every", "10"],
+}
+ARMS = {   # name -> (what changes, extra train.py flags)
+    "base": ("the recipe as it is", []),
+    "chain": ("step j's loss only on rows whose steps 0..j-1 were right", ["--ttt-loss-rows", "chain"]),
+    "frozen-head": ("lm_head frozen (continued: the draft's own trained head)", ["--freeze-lm-head"]),
+    "target-head": ("lm_head = the target's rows for the draft vocabulary, frozen",
+                    ["--lm-head-init", "target", "--freeze-lm-head"]),
+    "eagle31": ("EAGLE-3.1: fc_norm + norm_output", [{"fc_norm": True, "norm_output": True}]),
+    "2-layers": ("two decoder layers", [{"num_hidden_layers": 2}]),
+}   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
+
+
+def arm_command(protocol, arm, data, out):
+    flags = []
+    for f in ARMS[arm][1]:
+        if isinstance(f, dict):
+            path = os.path.join(out, "draft_config.json")
+            atomic_write_text(path, json.dumps(f) + "\n")
+            f = ["--draft-config", path]
+        flags += f if isinstance(f, list) else [f]
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--data", data, "--out", out,
+            *COMMON, *PROTOCOLS[protocol], *flags]
+
+
+
+def done(out):
+    """A run is finished when its log's last train record reached the planned total."""
+    args_p, log_p = os.path.join(out, "args.json"), os.path.join(out, "log.jsonl")
+    if not (os.path.exists(args_p) and os.path.exists(log_p)):
+        return False
+    total = json.load(open(args_p))["total_steps"]
+    steps = [json.loads(line)["step"] for line in open(log_p) if line.strip()]
+    return bool(steps) and max(steps) >= total
+
+
+def run(args):
+    """Start every arm not finished (resuming one that has a checkpoint), --parallel at a time."""
+    specs = [a.split("/", 1) if "/" in a else (args.protocol, a) for a in args.arms]
+    for proto, a in specs:
+        if a not in ARMS or proto not in PROTOCOLS:
+            raise UserError(f"--arms {proto}/{a}: expected PROTOCOL/ARM or ARM (with --protocol), "
+                            f"protocols {', '.join(PROTOCOLS)}, arms {', '.join(ARMS)}")
+    if not os.path.exists(os.path.join(args.data, "manifest.json")):
+        raise UserError(f"--data {args.data}: no manifest.json (a generate.py --hidden-states dir)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    queue, live = specs, []
+    while queue or live:
+        while queue and len(live) < args.parallel:
+            proto, arm = queue.pop(0)
+            out = os.path.join(args.runs, f"{proto}-{arm}")
+            if done(out):
+                print(f"{arm}: done already ({out})", file=sys.stderr)
+                continue
+            os.makedirs(out, exist_ok=True)
+            cmd = arm_command(proto, arm, args.data, out)
+            if os.path.isdir(os.path.join(out, "checkpoints")) and os.listdir(os.path.join(out, "checkpoints")):
+                cmd = [c for c in cmd if c not in ("--init", SHIPPED)] + ["--resume"]
+            with open(os.path.join(out, "command.txt"), "w") as f:
+                f.write(" ".join(cmd) + "\n")
+            log = open(os.path.join(out, "stderr.log"), "a")
+            print(f"{arm}: {' '.join(cmd)}", file=sys.stderr)
+            live.append((arm, subprocess.Popen(cmd, env=env, stderr=log, stdout=log)))
+        while all(p.poll() is None for _, p in live):    # wait for any one to end
+            time.sleep(5)
+        for arm, p in [x for x in live if x[1].poll() is not None]:
+            if p.returncode != 0:
+                print(f"{arm}: train.py exited {p.returncode} (see its stderr.log)", file=sys.stderr)
+            live.remove((arm, p))
+
+
+def read_run(out):
+    """Eval records with the training seconds spent before each (from the train windows)."""
+    recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if line.strip()]
+    secs, prev_tokens, evals = 0.0, 0, []
+    for r in recs:
+        if r["split"] == "train":
+            secs += (r["tokens"] - prev_tokens) / max(r["tokens_per_s"], 1e-9)
+            prev_tokens = r["tokens"]
+        elif r["tokens"] == prev_tokens:   # an eval right after the window it follows
+            evals.append({"step": r["step"], "tokens": r["tokens"], "seconds": secs,
+                          "replay": r["replay_accept_3"], "acc_j": r["acc_j"]})
+    tps = [r["tokens_per_s"] for r in recs if r["split"] == "train"]
+    return evals, sorted(tps)[len(tps) // 2] if tps else None
+
+
+def at_seconds(evals, s):
+    """Replayed accept length at s training seconds, linear between evals (None past the end)."""
+    for a, b in zip(evals, evals[1:]):
+        if a["seconds"] <= s <= b["seconds"]:
+            w = (s - a["seconds"]) / max(b["seconds"] - a["seconds"], 1e-9)
+            return a["replay"] + w * (b["replay"] - a["replay"])
+    # an arm that finished its steps in less time than s: its last eval (it never had more)
+    return evals[-1]["replay"] if evals and evals[-1]["seconds"] <= s else None
+
+
+def mtbench(drafts, n, cache):
+    """MT-Bench n x 2 accept length (chain 3/1/4, greedy, 128 new tokens, fp32) of each draft
+    directory, in one process: the target and the prompts (second turns after the target's own
+    greedy first answers) are made once. cache: {draft path: accept length}, filled in place."""
+    import torch
+    from benchmarks import greedy_turn_prompts, parse_benchmark
+    from common import load_target, pack_linears, stop_token_ids
+    from model import load_draft_for
+    from speculate import Speculator
+    todo = [d for d in drafts if d not in cache]
+    if not todo:
+        return
+    torch.set_num_threads(1)
+    target, tok = load_target("default", "float32", "cpu")
+    pack_linears(target)
+    stop = stop_token_ids(tok, target.generation_config)
+    prompts = greedy_turn_prompts(target, tok, parse_benchmark(f"mtbench:{n}")[1], 128, stop)
+    for d in todo:
+        spec = Speculator(target, pack_linears(load_draft_for(d, target, torch.float32)),
+                          3, 1, 4, 0.0, 1.0, stop)
+        runs = [spec.generate(ids, 128)[1] for ids in prompts]
+        cache[d] = sum(sum(s["accepted"]) + s["rounds"] for s in runs) / sum(s["rounds"] for s in runs)
+        print(f"MT-Bench {n} x 2: {d}: {cache[d]:.3f}", file=sys.stderr)
+
+
+def summary(args):
+    runs = sorted(d for d in os.listdir(args.runs) if os.path.exists(os.path.join(args.runs, d, "log.jsonl")))
+    if not runs:
+        raise UserError(f"--runs {args.runs}: no arm directories with a log.jsonl")
+    out = {}
+    for name in runs:
+        evals, tps = read_run(os.path.join(args.runs, name))
+        if evals:
+            out[name] = {"evals": evals, "median_tokens_per_s": tps,
+                         "command": open(os.path.join(args.runs, name, "command.txt")).read().strip()}
+    cache_path = os.path.join(args.runs, f"mtbench{args.mtbench}.json")
+    cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+    for proto in PROTOCOLS:
+        base = out.get(f"{proto}-base")
+        budget = base["evals"][-1]["seconds"] if base else None
+        for name, r in out.items():
+            if name.startswith(proto + "-"):
+                r["replay_at_base_seconds"] = budget and at_seconds(r["evals"], budget)
+                r["best"] = max(r["evals"], key=lambda e: e["replay"])
+                run_dir = os.path.join(args.runs, name)
+                ck = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step-*", "model.safetensors")))
+                r["last_draft"] = os.path.dirname(ck[-1]) if ck else None
+                r["best_draft"] = os.path.join(run_dir, "best") if os.path.isdir(
+                    os.path.join(run_dir, "best")) else None
+    if args.mtbench:
+        drafts = [SHIPPED] + [r[k] for r in out.values() for k in ("last_draft", "best_draft") if r.get(k)]
+        mtbench(drafts, args.mtbench, cache)
+        atomic_write_text(cache_path, json.dumps(cache, indent=1))
+        for r in out.values():
+            r["mtbench_last"], r["mtbench_best"] = cache.get(r.get("last_draft")), cache.get(r.get("best_draft"))
+        print(f"MT-Bench {args.mtbench} x 2, the shipped draft (every continued arm's start): "
+              f"{cache[SHIPPED]:.3f}")
+    atomic_write_text(os.path.join(args.runs, "levers.json"), json.dumps(out, indent=1))
+    plot(out, os.path.join(args.runs, "levers.png"))
+    print("| arm | change | tokens | tok/s | held-out replayed: start / last / best (step) | "
+          "at base's compute | MT-Bench last / best |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in out.items():
+        e, arm = r["evals"], name.split("-", 1)[1]
+        mt = " / ".join("-" if r.get(k) is None else f"{r[k]:.3f}" for k in ("mtbench_last", "mtbench_best"))
+        at = r.get("replay_at_base_seconds")
+        print(f"| {name} | {ARMS.get(arm, ('?',))[0]} | {e[-1]['tokens']:,} | "
+              f"{r['median_tokens_per_s']:.0f} | {e[0]['replay']:.3f} / {e[-1]['replay']:.3f} / "
+              f"{r['best']['replay']:.3f} ({r['best']['step']}) | "
+              f"{'-' if at is None else f'{at:.3f}'} | {mt} |")
+
+
+def plot(out, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(PROTOCOLS), figsize=(13, 4.5))
+    for ax, proto in zip(axes, PROTOCOLS):
+        for name, r in out.items():
+            if name.startswith(proto + "-"):
+                ax.plot([e["seconds"] / 60 for e in r["evals"]], [e["replay"] for e in r["evals"]],
+                        "o-", ms=3, label=name.split("-", 1)[1])
+        ax.set(title=f"{proto}: held-out replayed accept length (chain of 3)",
+               xlabel="training minutes (one thread, arms side by side)", ylabel="tokens per round")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--data", required=True)
+    r.add_argument("--runs", required=True)
+    r.add_argument("--protocol", default="continued", choices=list(PROTOCOLS),
+                   help="for arms given without one")
+    r.add_argument("--arms", type=lambda s: s.split(","), default=["base"],
+                   help="ARM or PROTOCOL/ARM, comma-separated, run in this order")
+    r.add_argument("--parallel", type=int, default=2, help="arms at a time (one thread each)")
+    s = sub.add_parser("summary")
+    s.add_argument("--runs", required=True)
+    s.add_argument("--mtbench", type=int, default=0, metavar="N",
+                   help="also decode MT-Bench N x 2 with each arm's last and best draft")
+    args = ap.parse_args()
+    (run if args.cmd == "run" else summary)(args)
+
+
+if __name__ == "__main__":
+    run_main(main)
