@@ -137,3 +137,25 @@ def test_continued_run_evaluates_its_start(tmp_path, dirs):
     assert evals[0]["replay_accept_3"] > max(r["replay_accept_3"] for r in evals[1:])
     best = json.load(open(os.path.join(again, "best", "best.json")))
     assert best["step"] == 0
+
+
+def test_levers_compares_at_equal_training_seconds(tmp_path):
+    """results/levers.py's equal-compute arithmetic: training seconds are the sum over the log's
+    train windows of tokens / tokens_per_s; an arm's replayed accept length at the base arm's
+    seconds is interpolated between its evals, or its last eval when it finished sooner."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "results"))
+    import levers
+    recs = [{"step": 0, "split": "eval", "tokens": 0, "replay_accept_3": 2.0, "acc_j": [0.5]},
+            {"step": 10, "split": "train", "tokens": 1000, "tokens_per_s": 100.0},
+            {"step": 10, "split": "eval", "tokens": 1000, "replay_accept_3": 1.5, "acc_j": [0.4]},
+            {"step": 20, "split": "train", "tokens": 3000, "tokens_per_s": 50.0},
+            {"step": 20, "split": "eval", "tokens": 3000, "replay_accept_3": 2.5, "acc_j": [0.6]}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    evals, median_tps = levers.read_run(str(tmp_path))
+    assert [(e["step"], e["seconds"]) for e in evals] == [(0, 0.0), (10, 10.0), (20, 50.0)]
+    assert median_tps == 100.0                            # the upper median of two windows
+    assert levers.at_seconds(evals, 5.0) == pytest.approx(1.75)
+    assert levers.at_seconds(evals, 30.0) == pytest.approx(2.0)
+    assert levers.at_seconds(evals, 80.0) == 2.5          # finished sooner: its last eval
