@@ -208,6 +208,137 @@ def make_draft(target, seed=0, err=0.1, head=5.0):
     return d.eval()
 
 
+# The lookup draft in every layout model.py reads (draft_config.py): tests/lookup_fixture.py's target
+# (the next token a table of the last three) made 8 layers deep (layers 1-7 identities, so every
+# aux layer holds layer 0's output), and its hand-built draft rebuilt in each layout, one option
+# at a time and all together. Every variant computes the same function as the default-layout
+# draft (speculate.py: 72 drafts accepted in 29 rounds on lookup_prompts(3, seed=1), for each),
+# and each option does necessary work. Measured with speculate.py on a draft built with the option
+# and then run without it: ignoring fc_norm or input_norm 13 accepted in 80 rounds, norm_output
+# 45 in 49, attention of layers 1-2 made flat 3 in 90; and with SGLang's worker serving the draft
+# with the key deleted from its config.json: 49 rounds (norm_output), 42 (fc_norm), 42
+# (norm_before_fc) instead of 29, so this test fails on an engine that ignores an option.
+
+def make_layout_draft(target, aux, fc_norm=False, norm_before_fc=False, norm_output=False,
+                      layers=1, seed=0, err=0.1, head=5.0):
+    """make_draft's draft for make_target(seed, layers=8) in another layout (aux: the captured
+    layers; with layers 1-7 identities every aux layer holds layer 0's output).
+    - fc_norm / norm_before_fc: norm weights with a random factor per (aux chunk, slot group)
+      in [e^-1.5, e^1.5]; fc divides them out (every chunk is 5 unit one-hots: a known RMS).
+      fc reads the token from chunk 0, the constant from chunk n//2 and O from the last chunk.
+    - norm_output: the last MLP writes h2 = 2 (token + constant + O), norm.weight = sqrt(3/H),
+      so norm(h2) = h2 / 2 is the feature the next step needs (carrying h2 breaks the lookup).
+    - layers=3: the gathering is split over the layers, each reading the rows before it from
+      its own KV cache: layer 0 puts its own token in A and the previous row's g token (x_{p-1})
+      in C; layer 1 the previous row's A (x_p) in B'; layer 2 the previous row's B' (x_{p-1})
+      in C again (C then holds 2 on x_{p-1}); layer 2's MLP is the lookup."""
+    import dataclasses
+    from model import Eagle3Draft
+    from draft_config import config_from_target
+    N = NEURONS
+    K = 2.0 if norm_output else 1.0
+    _, first, second, third, wrong, cls = make_table(seed, err)
+    cfg = config_from_target(target.config, len(S), aux_layer_ids=aux)
+    cfg = dataclasses.replace(cfg, fc_norm=fc_norm, norm_before_fc=norm_before_fc,
+                              norm_output=norm_output, num_hidden_layers=layers,
+                              intermediate_size=N + 6 * V)
+    d = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    d.set_vocab(torch.tensor(S))
+    rotary_fn = lambda pos: d.rotary(pos, torch.float32)
+    eye, n = torch.eye(V), len(aux)
+    g = torch.Generator().manual_seed(seed + 7)
+    groups = [(TOK, V), (CONST, 1), (A, V), (C, V), (O, V)]   # the target's layer-0 output
+    silu = lambda x: F.silu(torch.tensor(x)).item()
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.requires_grad:
+                p.zero_() if p.dim() == 2 else p.fill_(1.0)
+        m = torch.ones(n, len(groups))       # what the norms multiply each slot group by
+        if norm_before_fc:                   # one RMSNorm over the concatenation (rms sqrt(5/H))
+            w = torch.empty(n, len(groups)).uniform_(-1.5, 1.5, generator=g).exp()
+            for i in range(n):
+                for j, (s0, wd) in enumerate(groups):
+                    d.input_norm.weight[i * H + s0:i * H + s0 + wd] = w[i, j]
+            m = m * w / (5 / H) ** 0.5
+        if fc_norm:                          # then one per chunk
+            w = torch.empty(n, len(groups)).uniform_(-1.5, 1.5, generator=g).exp()
+            for i in range(n):
+                rms = (m[i] ** 2).sum().div(H).sqrt()
+                for j, (s0, wd) in enumerate(groups):
+                    d.fc_norm[i].weight[s0:s0 + wd] = w[i, j]
+                m[i] = m[i] * w[i] / rms
+        for (slot, wd, j), chunk in zip([(TOK, V, 0), (CONST, 1, 1), (O, V, 4)],
+                                        [0, n // 2, n - 1]):
+            d.fc.weight[slot:slot + wd, chunk * H + slot:chunk * H + slot + wd] = \
+                torch.eye(wd) / m[chunk, j]
+        lay = d.decoder_layers()
+        s_e, s_g = (H / 2) ** 0.5, (H / 3) ** 0.5     # e: token + const; g: token + const + O
+
+        def head_into(layer, h, off, slot, src, s_qk, s_v):
+            at = layer.self_attn
+            qv, kv = offset_head(rotary_fn, off)
+            at.q_proj.weight[h * HD:(h + 1) * HD, CONST] = qv / s_qk
+            at.k_proj.weight[h * HD:(h + 1) * HD, CONST] = kv / s_qk
+            at.v_proj.weight[h * HD:h * HD + V, src:src + V] = eye / s_v
+            at.o_proj.weight[slot:slot + V, h * HD:h * HD + V] = eye
+        if layers == 1:   # lookup_fixture.make_draft's three heads
+            for h, (off, slot, src) in enumerate([(0, A, TOK), (1, C, H + TOK), (1, B2, TOK)]):
+                head_into(lay[0], h, off, slot, src, s_e, s_e if src < H else s_g)
+            units_sq, c_units = 6.0, 1.0
+        else:
+            assert layers == 3
+            for h, (off, slot, src) in enumerate([(0, A, TOK), (1, C, H + TOK)]):
+                head_into(lay[0], h, off, slot, src, s_e, s_e if src < H else s_g)
+            head_into(lay[1], 0, 1, B2, A, (H / 5) ** 0.5, (H / 5) ** 0.5)    # h0: 5 units
+            head_into(lay[2], 0, 1, C, B2, (H / 6) ** 0.5, (H / 6) ** 0.5)    # h1: 6 units
+            units_sq, c_units = 9.0, 2.0
+        # the lookup MLP (last layer) on post_attention_layernorm(h1): rms sqrt(units_sq / H)
+        s = (H / units_sq) ** 0.5
+        mlp = lay[-1].mlp
+        nn_ = torch.arange(N)
+        i, j, k = nn_ // (V * V), (nn_ // V) % V, nn_ % V
+        mlp.gate_proj.weight[nn_[:, None], C + torch.arange(V)] = \
+            (cls[None] == i[:, None]) * ALPHA / s / c_units
+        mlp.gate_proj.weight[nn_, TOK + j] = ALPHA / s
+        mlp.gate_proj.weight[nn_, B2 + j] = ALPHA / s
+        mlp.gate_proj.weight[nn_, A + k] = ALPHA / s
+        mlp.gate_proj.weight[nn_, CONST] = -3.5 * ALPHA / s
+        mlp.up_proj.weight[:N, CONST] = 1.0 / s
+        w = torch.tensor([1.0, 0.8, 0.4])
+        w = K * w / w.norm() / silu(ALPHA / 2)
+        for c, tok in enumerate((first, second, third)):
+            mlp.down_proj.weight[O + tok.flatten(), nn_] += w[c]
+        # linear neurons: token slot <- K A; clear A, C, B', O; the constant times K
+        lin = N + torch.arange(V)
+        for b, (dst, plus, minus) in enumerate([(TOK, A, TOK), (A, None, A), (C, None, C),
+                                                (B2, None, B2), (O, None, O)]):
+            rows = lin + b * V
+            mlp.gate_proj.weight[rows, CONST] = GAMMA / s
+            if plus is not None:
+                mlp.up_proj.weight[rows, plus + torch.arange(V)] = K
+            mlp.up_proj.weight[rows, minus + torch.arange(V)] -= 1.0
+            mlp.down_proj.weight[dst + torch.arange(V), rows] = 1.0 / (s * silu(GAMMA))
+        if K != 1:
+            row = N + 5 * V
+            mlp.gate_proj.weight[row, CONST] = GAMMA / s
+            mlp.up_proj.weight[row, CONST] = K - 1
+            mlp.down_proj.weight[CONST, row] = 1.0 / (s * silu(GAMMA))
+            d.norm.weight.fill_((3 / H) ** 0.5)
+        d.lm_head.weight[torch.arange(len(S)), O + torch.tensor(S)] = head
+    return d.eval()
+
+
+AUX3, AUX5 = [0, 3, 6], [0, 1, 3, 4, 6]
+LAYOUTS = {   # name -> (aux layers, make_layout_draft options)
+    "fc_norm": (AUX3, dict(fc_norm=True)),
+    "norm_before_fc": (AUX3, dict(norm_before_fc=True)),
+    "norm_output": (AUX3, dict(norm_output=True)),
+    "three_layers": (AUX3, dict(layers=3)),
+    "five_aux": (AUX5, {}),
+    "every_option": (AUX5, dict(fc_norm=True, norm_before_fc=True, norm_output=True, layers=3)),
+}
+
+
 def lookup_pair(seed=0, err=0.1):
     t = make_target(seed)
     return t, make_draft(t, seed, err)

@@ -464,6 +464,18 @@ def test_sglang_eagle3_worker_serves_shipped_draft(steps, topk, n_draft, tol, sh
     assert same[False] and sgl_al == plain_al, lines
 
 
+def target_greedy(target, ids, max_new_tokens):
+    """transformers' greedy continuation of `ids`. The attention mask is passed explicitly:
+    given pad_token_id and no mask, generate() infers one that hides every prompt token equal
+    to pad_token_id (transformers 5.x generation/utils.py, _prepare_attention_mask_for_generation:
+    `inputs_tensor.ne(pad_token_id)`), so a prompt holding token 0 got a wrong reference."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
 def test_sglang_eagle3_worker_tiny_random_target(tmp_path):
     """The plumbing, fast: a tiny random Llama target and a random model.py draft (with a d2t
     vocabulary map), tree 2/2/3 (every op, the tree mask and KV moves included). Greedy output
@@ -484,10 +496,7 @@ def test_sglang_eagle3_worker_tiny_random_target(tmp_path):
                 tmp_path / "server.log", ["--skip-tokenizer-init"]) as url:
         outs, metas, chunks = serve_prompts(url, prompts, 16, ())
     for ids, out, m, c in zip(prompts, outs, metas, chunks):
-        with torch.no_grad():
-            ref = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert out == ref
+        assert out == target_greedy(target, ids, 16)
         assert m["spec_verify_ct"] == len(c) - 1 > 0 and sum(c) == len(out) == 16
 
 
@@ -541,25 +550,26 @@ def test_sglang_loader_takes_every_layout_tensor(tmp_path):
     assert torch.equal(hot, torch.arange(0, 96, 2))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open (issue 23): SGLang's worker on the every-option draft is not reproducible here: one run "
-    "equal to speculate.py round for round (0 accepted in 93 rounds), the next accepted a draft in "
-    "round 1 that speculate.py did not; with a 16-token vocabulary it left the target's greedy "
-    "output at token 4 (a default-layout draft on that target stayed lossless). Not yet bisected "
-    "between the options (three decoder layers / norm_output / five aux layers / fc norms)"))
 def test_sglang_eagle3_worker_layout_draft(tmp_path):
-    """SGLang's EAGLE3 worker serves the every-option draft (five aux layers captured, three
-    decoder layers with their KV caches, norm_output carried): the target's greedy output, and
-    the same committed tokens per round as speculate.py (default positions). The draft math is
-    pinned by tests/test_layouts.py, the loader by the test above. Draft vocabulary 64 = the
-    target's (a multiple of 64: no padded lm_head rows)."""
+    """SGLang's EAGLE3 worker serves the random every-option draft (five aux layers captured,
+    three decoder layers with their KV caches, norm_output carried): the target's greedy output,
+    and the same committed tokens per round as speculate.py (default positions). Unlike the
+    lookup drafts below, every weight is random and every attention row dense, so any row or
+    norm SGLang computed differently moves the draft's argmax. A 4-token vocabulary (target and
+    draft; both lm_heads padded to 64 rows by ParallelLMHead and sliced back) so that random
+    drafts are accepted now and then (measured: 17 in 77 rounds; with 64 tokens 0 in 93, which
+    pinned little). The draft math is pinned by tests/test_layouts.py, the loader above.
+    Issue 23 (was xfail): the loss of losslessness seen with 16 tokens was this test's reference,
+    transformers' generate() masking token 0 of the prompt (target_greedy); the round-1
+    difference did not recur in eight launches (vocabularies 64, 16, 8, 4), each equal round for
+    round."""
     from benchmarks import Config
     from speculate import Speculator
-    target = make_tiny_target(vocab_size=64, hidden_size=64, layers=8, heads=4, kv_heads=2)
+    target = make_tiny_target(vocab_size=4, hidden_size=64, layers=8, heads=4, kv_heads=2)
     target.save_pretrained(tmp_path / "tiny")
-    draft = layout_draft(target, [0, 1, 3, 4, 6], 64, tmp_path / "draft", seed=1)
+    draft = layout_draft(target, [0, 1, 3, 4, 6], 4, tmp_path / "draft", seed=1)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (7, 12, 19)]
+    prompts = [torch.randint(0, 4, (n,), generator=g).tolist() for n in (7, 12, 19)]
     spec = Speculator(target, draft, 3, 1, 4, stop_ids=())
     ours = [spec.generate(p, 32) for p in prompts]
     with served(str(tmp_path / "tiny"), str(tmp_path / "draft"), Config(1, 3, 1, 4),
@@ -567,9 +577,7 @@ def test_sglang_eagle3_worker_layout_draft(tmp_path):
         outs, metas, chunks = serve_prompts(url, prompts, 32, ())
     accepted = 0
     for p, out, m, c, (o, st) in zip(prompts, outs, metas, chunks, ours):
-        with torch.no_grad():
-            ref = target.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        ref = target_greedy(target, p, 32)
         assert o == ref
         assert out == ref, (out, ref)
         assert c[1:] == round_sizes(st), (c[1:], round_sizes(st))
@@ -577,3 +585,46 @@ def test_sglang_eagle3_worker_layout_draft(tmp_path):
     print(f"layout draft in SGLang's EAGLE3 worker: {accepted} drafts accepted over "
           f"{sum(len(c) - 1 for c in chunks)} rounds, every round equal to speculate.py's")
     assert all(m["spec_verify_ct"] == len(c) - 1 > 0 for m, c in zip(metas, chunks))
+    assert accepted >= 10   # rounds that accept drafts are compared too
+
+
+# The same worker on drafts that are accepted in most rounds: tests/lookup_fixture.py's lookup
+# target and its hand-built draft in each layout (make_layout_draft, LAYOUTS; speculate.py on
+# them: tests/test_layouts.py). Served with a layout key deleted from config.json, SGLang's worker
+# needed 49 rounds (norm_output), 42 (fc_norm), 42 (norm_before_fc) instead of 29, so this test
+# fails on an engine that ignores an option.
+from lookup_fixture import LAYOUTS  # noqa: E402
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sglang_eagle3_worker_lookup_layout(layout, tmp_path):
+    """SGLang's EAGLE3 worker (chain 3/1/4) on the lookup target with its draft in one layout:
+    the target's greedy output, and every verify round commits what speculate.py's does (default
+    positions), with most drafts accepted."""
+    from benchmarks import Config
+    from lookup_fixture import lookup_prompts, make_layout_draft, make_target
+    from speculate import Speculator
+    aux, opts = LAYOUTS[layout]
+    target = make_target(0, layers=8)
+    target.save_pretrained(tmp_path / "target")
+    draft = make_layout_draft(target, aux, **opts)
+    draft.save_pretrained(str(tmp_path / "draft"), dtype=torch.float32)
+    prompts = lookup_prompts(3, seed=1)
+    spec = Speculator(target, draft, 3, 1, 4, stop_ids=())
+    ours = [spec.generate(p, 32) for p in prompts]
+    with served(str(tmp_path / "target"), str(tmp_path / "draft"), Config(1, 3, 1, 4),
+                tmp_path / "server.log", ["--skip-tokenizer-init"]) as url:
+        outs, metas, chunks = serve_prompts(url, prompts, 32, ())
+    accepted = rounds = 0
+    for p, out, m, c, (o, st) in zip(prompts, outs, metas, chunks, ours):
+        ref = target_greedy(target, p, 32)
+        assert o == ref
+        accepted += sum(st["accepted"])
+        rounds += len(st["accepted"])
+        print(f"{layout}: prompt of {len(p)}: SGLang rounds {c[1:]}, speculate.py "
+              f"{round_sizes(st)}")
+        assert out == ref, (out, ref)
+        assert m["spec_verify_ct"] == len(c) - 1 > 0
+        assert c[1:] == round_sizes(st), (c[1:], round_sizes(st))
+    print(f"{layout}: {accepted} drafts accepted over {rounds} rounds, every round equal")
+    assert accepted >= 2 * rounds   # the draft is right most of the time: rounds matter
