@@ -52,7 +52,12 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     "target-head": ("lm_head = the target's rows for the draft vocabulary, frozen",
                     ["--lm-head-init", "target", "--freeze-lm-head"]),
     "eagle31": ("EAGLE-3.1: fc_norm + norm_output", [{"fc_norm": True, "norm_output": True}]),
-    "2-layers": ("two decoder layers", [{"num_hidden_layers": 2}]),
+    # tests/bench_train_step.py --variants (AVX2 EPYC, fp32, one thread, interleaved): a second
+    # layer makes the draft step 1.72x; with the target side (9.99 s at a sequence's first sight,
+    # 1.24 s later, vs the 6.29 s draft step, B 8 x T 256) 62 steps cost the base's 100 over
+    # this data (346 training sequences: the first 43 steps see them first). Scratch only: a
+    # trained one-layer draft has no second layer to continue.
+    "2-layers": ("two decoder layers, ~equal FLOPs", [{"num_hidden_layers": 2}, "--max-steps", "62"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 
 
@@ -188,6 +193,10 @@ def summary(args):
                 r["last_draft"] = os.path.dirname(ck[-1]) if ck else None
                 r["best_draft"] = os.path.join(run_dir, "best") if os.path.isdir(
                     os.path.join(run_dir, "best")) else None
+                if r["best"]["step"] == 0 and proto == "continued":
+                    r["best_draft"] = SHIPPED                  # the start was never beaten
+                elif ck and r["best"]["step"] == int(os.path.basename(r["last_draft"])[5:]):
+                    r["best_draft"] = r["last_draft"]          # the same weights: decode once
     if args.mtbench:
         drafts = [SHIPPED] + [r[k] for r in out.values() for k in ("last_draft", "best_draft") if r.get(k)]
         mtbench(drafts, args.mtbench, cache)

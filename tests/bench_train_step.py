@@ -6,7 +6,13 @@ and every later time (only the draft vocabulary's rows), next to one TTT forward
 AdamW step of the draft. Random features at SmolLM2-135M's sizes; only the shapes matter.
 
     python tests/bench_train_step.py [--ttt-length 3] [--batch-size 8] [--seq-len 256] [--vocab 8192]
+    python tests/bench_train_step.py --variants base frozen-head 2-layers eagle31 [--repeats 7]
+
+--variants times the draft step of issue 23's levers that change its cost, interleaved (one
+step of each in turn, --repeats rounds, medians), so their ratios are measured side by side:
+what "equal compute" means for them (results/levers.py). The target side is the same for all.
 """
+import dataclasses
 import argparse
 import os
 import sys
@@ -18,7 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ttt  # noqa: E402
 from model import Eagle3Draft  # noqa: E402
-from draft_config import DraftConfig
+from draft_config import DraftConfig  # noqa: E402
+from common import resolve_dtype  # noqa: E402
+
+VARIANTS = {"base": {}, "frozen-head": {}, "2-layers": {"num_hidden_layers": 2},
+            "eagle31": {"fc_norm": True, "norm_output": True}}
 
 
 def timed(f, n=3):
@@ -35,6 +45,10 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192, help="draft vocabulary")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="autocast dtype, as train.py's (auto: bf16 only where the CPU has it)")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None)
+    ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -55,7 +69,9 @@ def main():
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[:, :T // 6] = False                                   # a prompt: not in the loss
     need = ttt.shift_left(mask, 1, False)
-    ac = torch.autocast("cpu", dtype=torch.bfloat16)
+    dt, why = resolve_dtype(a.dtype)
+    print(f"dtype {why}", file=sys.stderr)
+    ac = torch.autocast("cpu", dtype=dt, enabled=dt != torch.float32)
     with ac:
         t_first, (p, am, inv) = timed(lambda: ttt.target_side(final, lm_wd, need=need, lm_w=lm_w,
                                                               t2d=draft.t2d))
@@ -69,12 +85,47 @@ def main():
         loss.backward()
         opt.step()
         opt.zero_grad()
+    if a.variants:
+        return time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, B * T)
     t_step, _ = timed(step)
     n = B * T
     print(f"B={B} T={T} TTT {J} Vd {Vd}: target side first sight {t_first:.3f} s, later "
           f"{t_later:.3f} s; draft forward+backward+AdamW {t_step:.3f} s")
     print(f"share of a step: {t_first / (t_first + t_step):.0%} -> {t_later / (t_later + t_step):.0%}; "
           f"tok/s {n / (t_first + t_step):.0f} -> {n / (t_later + t_step):.0f}")
+
+
+def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n):
+    steps = {}
+    for name in a.variants:
+        c = dataclasses.replace(cfg, **VARIANTS[name])
+        torch.manual_seed(0)
+        d = Eagle3Draft(c, torch.randn(c.vocab_size, c.hidden_size) * 0.02)
+        d.set_vocab(torch.randperm(c.vocab_size)[:c.draft_vocab_size].sort().values)
+        if name == "frozen-head":
+            d.lm_head.weight.requires_grad_(False)
+        m = ttt.TTTLoss(d, a.ttt_length)
+        opt = torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-4)
+
+        def step(m=m, opt=opt):
+            with ac:
+                loss, _, _ = m(ids, aux, p, am, valid, denom, 1.0)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        step()                                        # warm up
+        steps[name] = step
+    times = {k: [] for k in steps}
+    for _ in range(a.repeats):                        # interleaved: noise hits every variant
+        for k, f in steps.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    ref = med[a.variants[0]]
+    for k, t in med.items():
+        print(f"{k:12s} draft step {t:.3f} s (median of {a.repeats}), {n / t:.0f} tok/s, "
+              f"{t / ref:.2f}x the {a.variants[0]} step")
 
 
 if __name__ == "__main__":
