@@ -17,8 +17,9 @@ Two protocols, because this CPU cannot train a draft from nothing past the early
 tokens and tokens_per_s, so a run's training seconds at every eval are known; `summary`
 interpolates each arm's replayed accept length at the base arm's total training seconds (an arm
 with cheaper steps, a frozen lm_head, gets more tokens in the same time; two layers get fewer).
-Arms run as single-process trainers side by side (one thread each), so their step times are
-comparable with each other, not with a quiet machine.
+Arms run as single-process trainers, two side by side (one thread each): step times compare
+only between the two arms of one pair, and only if nothing else ran then; on a shared machine
+time the cost-changing levers with tests/bench_train_step.py --variants instead.
 
 Writes RUNS/levers.json and RUNS/levers.png (atomically) and prints a Markdown table.
 """
@@ -228,10 +229,10 @@ def plot(out, path):
     for ax, proto in zip(axes, PROTOCOLS):
         for name, r in out.items():
             if name.startswith(proto + "-"):
-                ax.plot([e["seconds"] / 60 for e in r["evals"]], [e["replay"] for e in r["evals"]],
-                        "o-", ms=3, label=name.split("-", 1)[1])
+                ax.plot([e["tokens"] / 1e3 for e in r["evals"]], [e["replay"] for e in r["evals"]],
+                        "o-", ms=3, label=f"{name.split('-', 1)[1]} ({r['median_tokens_per_s']:.0f} tok/s)")
         ax.set(title=f"{proto}: held-out replayed accept length (chain of 3)",
-               xlabel="training minutes (one thread, arms side by side)", ylabel="tokens per round")
+               xlabel="training tokens (thousands)", ylabel="tokens per round")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
