@@ -422,9 +422,14 @@ def open_out_dir(args, tok, tcfg):
              "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
     if args.followups:   # (absent when 0, so data sets made before the flag resume unchanged)
         regen["followups"] = args.followups
+    if not args.regenerate:   # the answers are the input's: no regeneration setting applies
+        regen = {"regenerate": False}
     started = os.path.exists(os.path.join(out, CONVERSATIONS)) and os.path.getsize(
         os.path.join(out, CONVERSATIONS)) > 0  # answers written under the old settings
-    if old and started and old.get("regeneration", regen) != regen:
+    was = (old or {}).get("regeneration", regen)
+    if not was.get("regenerate", True):
+        was = {"regenerate": False}          # (data sets that recorded the unused settings too)
+    if old and started and was != regen:
         raise UserError(f"--out {out}: was generated with {old['regeneration']}; resume with the "
                         f"same settings or use another --out")
     os.makedirs(out, exist_ok=True)

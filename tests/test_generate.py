@@ -561,6 +561,24 @@ def test_cli_end_to_end_format_and_resume(tmp_path, tiny_dir):
         run_cli(tiny_dir, out, prompts, "--temperature", "0.5")
 
 
+def test_no_regenerate_records_no_regeneration_settings(tmp_path, tiny_dir):
+    """--no-regenerate keeps the input's answers: the manifest says only that (not the unused
+    temperature / max-new-tokens), and a directory that recorded them too still resumes."""
+    convs = write_jsonl(tmp_path / "c.jsonl", [{"messages": [
+        {"role": "user", "content": f"question {i}"},
+        {"role": "assistant", "content": f"answer number {i}"}]} for i in range(3)])
+    out = tmp_path / "o"
+    run_cli(tiny_dir, out, convs, "--no-regenerate", "--temperature", "0.3")
+    m = json.load(open(out / "manifest.json"))
+    assert m["regeneration"] == {"regenerate": False} and m["complete"]
+    m["regeneration"] = {"regenerate": False, "backend": "hf", "temperature": 0.7, "top_p": 1.0,
+                         "max_new_tokens": 512, "seed": 0}           # as written before
+    json.dump(m, open(out / "manifest.json", "w"))
+    run_cli(tiny_dir, out, convs, "--no-regenerate")
+    with pytest.raises(UserError, match="resume with the same settings"):
+        run_cli(tiny_dir, out, convs)                                # regenerating: refused
+
+
 def test_cli_user_mistakes(tmp_path, tiny_dir, smol_tok):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a question?"}])
     with pytest.raises(UserError, match="no assistant turn"):
