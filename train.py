@@ -516,6 +516,7 @@ def train_loop(r):
         # the starting draft's own held-out numbers, step 0: where a continued run's curve
         # begins, and --keep-best's answer if training on never beats it
         held_out_eval(0)
+        win_t0, win_wait0 = time.perf_counter(), r.source.wait   # the eval is not training time
     module.train()
     while step < r.stop_at:
         # ---- one step: forward (TTT), backward, clip, and one all-reduce of what ranks share
