@@ -261,8 +261,8 @@ def parse_args(argv=None):
     ap.add_argument("--fill-vocab", action="store_true",
                     help="allow a draft vocab larger than the distinct tokens seen")
     ap.add_argument("--vocab-from", metavar="DRAFT",
-                    help="use this saved draft's vocabulary (and layers), to continue training it "
-                         "on this data with train.py --init")
+                    help="use this saved draft's vocabulary (and layers, unless --aux-layers "
+                         "names others), to continue training it on this data with train.py --init")
     ap.add_argument("--hidden-states", action="store_true", help="also write hidden-state shards")
     ap.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--shard-size", type=int, default=64, help="sequences per shard")
@@ -372,9 +372,13 @@ def choose_vocab_and_layers(args, tok, tcfg):
                             f"{args.vocab_from} has {keep_ids.numel()}; give one of them")
         Vd = keep_ids.numel()
         if args.aux_layers and list(args.aux_layers) != list(dcfg.aux_layer_ids):
-            raise UserError(f"--aux-layers {list(args.aux_layers)}: --vocab-from "
-                            f"{args.vocab_from} reads layers {list(dcfg.aux_layer_ids)}")
-        args.aux_layers = list(dcfg.aux_layer_ids)
+            # the vocabulary only (an ablation from nothing on the same draft vocabulary, e.g.
+            # five captured layers): train.py --init refuses this draft on this data by name
+            print(f"note: --aux-layers {list(args.aux_layers)} instead of --vocab-from "
+                  f"{args.vocab_from}'s layers {list(dcfg.aux_layer_ids)}: its vocabulary only; "
+                  f"train.py --init cannot continue that draft on this data", file=sys.stderr)
+        else:
+            args.aux_layers = list(dcfg.aux_layer_ids)
     layer_ids = list(args.aux_layers) if args.aux_layers else default_aux_layers(L)
     # sorted and distinct: SGLang captures in ascending order (sglang_engine.py)
     check_aux_layers(layer_ids, L, "--aux-layers")

@@ -19,6 +19,7 @@ import generate
 import prompts
 import hidden
 import sglang_engine
+import train
 from common import UserError, resolve_target
 
 LLAMA3_TEMPLATE = (
@@ -642,10 +643,17 @@ def test_vocab_from_takes_a_drafts_vocabulary_and_layers(tmp_path, tiny_dir):
                        "--vocab-from", str(tmp_path / "draft"), "--draft-vocab-size", "30"])
     with pytest.raises(UserError, match="--vocab-from .*nowhere: no such directory"):
         run_cli(tiny_dir, tmp_path / "o2", prompts, "--vocab-from", str(tmp_path / "nowhere"))
-    with pytest.raises(UserError, match="--aux-layers \\[1, 2, 3\\]: --vocab-from"):
-        run_cli(tiny_dir, tmp_path / "o3", prompts, "--vocab-from", str(tmp_path / "draft"),
-                "--aux-layers", "1", "2", "3")
-    assert not any(os.path.exists(tmp_path / o) for o in ("o1", "o2", "o3"))
+    assert not any(os.path.exists(tmp_path / o) for o in ("o1", "o2"))
+    # --aux-layers names other layers: the vocabulary only (an ablation from nothing), and
+    # train.py --init then refuses to continue the draft on that data, by name
+    run_cli(tiny_dir, tmp_path / "o3", prompts, "--vocab-from", str(tmp_path / "draft"),
+            "--aux-layers", "1", "2", "3", "4", "--temperature", "0")
+    m3, _, v3 = dataset.load_dataset_dir(str(tmp_path / "o3"))
+    assert m3["aux_layer_ids"] == [1, 2, 3, 4] and torch.equal(v3["draft_ids"], ids)
+    with pytest.raises(UserError, match="--init .*captures layers \\[0, 2, 5\\], the data \\[1, 2, 3, 4\\]"):
+        train.main(["--data", str(tmp_path / "o3"), "--out", str(tmp_path / "run"), "--target",
+                    tiny_dir, "--init", str(tmp_path / "draft"), "--max-steps", "1",
+                    "--no-progress"])
 
 
 def test_cli_bad_json_line_is_one_error_line(tmp_path, tiny_dir):
