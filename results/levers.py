@@ -59,7 +59,11 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     # this data (346 training sequences: the first 43 steps see them first). Scratch only: a
     # trained one-layer draft has no second layer to continue.
     "2-layers": ("two decoder layers, ~equal FLOPs", [{"num_hidden_layers": 2}, "--max-steps", "62"]),
+    # the draft's layers come from the data: generate.py --aux-layers 1 7 14 20 26 --vocab-from
+    # the shipped draft (its vocabulary only), same conversations; the step costs 1.0x (fc only)
+    "5-aux": ("five captured layers (1, 7, 14, 20, 26), not three", []),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
+DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 
 
 def arm_command(protocol, arm, data, out):
@@ -94,6 +98,11 @@ def run(args):
                             f"protocols {', '.join(PROTOCOLS)}, arms {', '.join(ARMS)}")
     if not os.path.exists(os.path.join(args.data, "manifest.json")):
         raise UserError(f"--data {args.data}: no manifest.json (a generate.py --hidden-states dir)")
+    layers = json.load(open(os.path.join(args.data, "manifest.json")))["aux_layer_ids"]
+    for proto, a in specs:
+        if len(layers) != DATA_LAYERS.get(a, len(layers)):
+            raise UserError(f"--arms {proto}/{a}: needs --data captured at {DATA_LAYERS[a]} layers "
+                            f"(generate.py --aux-layers), {args.data} has {layers}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     queue, live = specs, []
     while queue or live:

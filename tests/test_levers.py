@@ -159,3 +159,20 @@ def test_levers_compares_at_equal_training_seconds(tmp_path):
     assert levers.at_seconds(evals, 5.0) == pytest.approx(1.75)
     assert levers.at_seconds(evals, 30.0) == pytest.approx(2.0)
     assert levers.at_seconds(evals, 80.0) == 2.5          # finished sooner: its last eval
+
+
+def test_levers_five_aux_arm_needs_five_layer_data(tmp_path):
+    """The 5-aux arm's layers come from its data: run on data captured at three layers it is a
+    one-line error naming the arm and the data's layers, before any train.py starts."""
+    import argparse
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "results"))
+    import levers
+    from common import UserError
+    (tmp_path / "manifest.json").write_text(json.dumps({"aux_layer_ids": [1, 14, 26]}))
+    a = argparse.Namespace(data=str(tmp_path), runs=str(tmp_path / "runs"), protocol="scratch",
+                           arms=["scratch/base", "scratch/5-aux"], parallel=1)
+    with pytest.raises(UserError, match=r"scratch/5-aux: needs --data captured at 5 layers .*\[1, 14, 26\]"):
+        levers.run(a)
+    assert not os.path.exists(tmp_path / "runs")
