@@ -145,6 +145,38 @@ def make_target(seed=0, layers=4, beta=5.0, noise=0.0):
     return t
 
 
+def write_lookup_mlp(mlp, s, cls, first, second, third, K=1.0, c_units=1.0):
+    """The lookup MLP on an input of RMS 1/s (s divides every weight that reads it): NEURONS
+    lookup neurons fire on (class of x_{t-2} in slot C, x_{t-1} in B', x_t in A) and write the
+    (first, second, third) choices into O; the linear neurons then move K A into the token slot
+    and clear A, C, B' and O. c_units: how many units C holds (2 in the three-layer draft)."""
+    silu = lambda x: F.silu(torch.tensor(x)).item()
+    n = torch.arange(NEURONS)
+    i, j, k = n // (V * V), (n // V) % V, n % V
+    mlp.gate_proj.weight[n[:, None], C + torch.arange(V)] = \
+        (cls[None] == i[:, None]) * ALPHA / s / c_units
+    mlp.gate_proj.weight[n, TOK + j] = ALPHA / s
+    mlp.gate_proj.weight[n, B2 + j] = ALPHA / s
+    mlp.gate_proj.weight[n, A + k] = ALPHA / s
+    mlp.gate_proj.weight[n, CONST] = -3.5 * ALPHA / s
+    mlp.up_proj.weight[:NEURONS, CONST] = 1.0 / s
+    # the output: a unit vector over (first, second, third) choices
+    w = torch.tensor([1.0, 0.8, 0.4])
+    w = K * w / w.norm() / silu(ALPHA / 2)
+    for c, tok in enumerate((first, second, third)):
+        mlp.down_proj.weight[O + tok.flatten(), n] += w[c]
+    # linear neurons (gate = GAMMA on the constant): token slot <- K A; clear A, C, B', O
+    lin = NEURONS + torch.arange(V)
+    for b, (dst, plus, minus) in enumerate([(TOK, A, TOK), (A, None, A), (C, None, C),
+                                            (B2, None, B2), (O, None, O)]):
+        rows = lin + b * V
+        mlp.gate_proj.weight[rows, CONST] = GAMMA / s
+        if plus is not None:
+            mlp.up_proj.weight[rows, plus + torch.arange(V)] = K
+        mlp.up_proj.weight[rows, minus + torch.arange(V)] -= 1.0
+        mlp.down_proj.weight[dst + torch.arange(V), rows] = 1.0 / (s * silu(GAMMA))
+
+
 def make_draft(target, seed=0, err=0.1, head=5.0):
     """The hand-built draft for `make_target(seed)` (see the module docstring). `head` scales its
     logits: 5 gives near-certain guesses, ~1 a spread distribution (sampling tests)."""
@@ -177,31 +209,7 @@ def make_draft(target, seed=0, err=0.1, head=5.0):
             at.o_proj.weight[slot:slot + V, h * HD:h * HD + V] = eye
         # MLP on post_attention_layernorm(h1), h1 = g + attn = 6 unit one-hots -> rms sqrt(6/H)
         s = (H / 6) ** 0.5
-        m = d.midlayer.mlp
-        n = torch.arange(NEURONS)
-        i, j, k = n // (V * V), (n // V) % V, n % V
-        m.gate_proj.weight[n[:, None], C + torch.arange(V)] = (cls[None] == i[:, None]) * ALPHA / s
-        m.gate_proj.weight[n, TOK + j] = ALPHA / s
-        m.gate_proj.weight[n, B2 + j] = ALPHA / s
-        m.gate_proj.weight[n, A + k] = ALPHA / s
-        m.gate_proj.weight[n, CONST] = -3.5 * ALPHA / s
-        m.up_proj.weight[:NEURONS, CONST] = 1.0 / s
-        # the output: a unit vector over (first, second, third) choices
-        w = torch.tensor([1.0, 0.8, 0.4])
-        w = w / w.norm() / F.silu(torch.tensor(ALPHA / 2)).item()
-        for c, tok in enumerate((first, second, third)):
-            m.down_proj.weight[O + tok.flatten(), n] += w[c]
-        # linear neurons (gate = GAMMA on the constant): h2's token slot <- A, clear A, C, B', O
-        lin = NEURONS + torch.arange(V)
-        for b, (dst, plus, minus) in enumerate([(TOK, A, TOK), (A, None, A), (C, None, C),
-                                                (B2, None, B2), (O, None, O)]):
-            rows = lin + b * V
-            m.gate_proj.weight[rows, CONST] = GAMMA / s
-            if plus is not None:
-                m.up_proj.weight[rows, plus + torch.arange(V)] = 1.0
-            m.up_proj.weight[rows, minus + torch.arange(V)] -= 1.0
-            m.down_proj.weight[dst + torch.arange(V), rows] = 1.0 / (s * F.silu(
-                torch.tensor(GAMMA)).item())
+        write_lookup_mlp(d.midlayer.mlp, s, cls, first, second, third)
         # lm_head over the draft vocab reads O
         d.lm_head.weight[torch.arange(len(S)), O + torch.tensor(S)] = head
     d.wrong, d.first = full(wrong, cls), full(first, cls)
@@ -295,29 +303,7 @@ def make_layout_draft(target, aux, fc_norm=False, norm_before_fc=False, norm_out
         # the lookup MLP (last layer) on post_attention_layernorm(h1): rms sqrt(units_sq / H)
         s = (H / units_sq) ** 0.5
         mlp = lay[-1].mlp
-        nn_ = torch.arange(N)
-        i, j, k = nn_ // (V * V), (nn_ // V) % V, nn_ % V
-        mlp.gate_proj.weight[nn_[:, None], C + torch.arange(V)] = \
-            (cls[None] == i[:, None]) * ALPHA / s / c_units
-        mlp.gate_proj.weight[nn_, TOK + j] = ALPHA / s
-        mlp.gate_proj.weight[nn_, B2 + j] = ALPHA / s
-        mlp.gate_proj.weight[nn_, A + k] = ALPHA / s
-        mlp.gate_proj.weight[nn_, CONST] = -3.5 * ALPHA / s
-        mlp.up_proj.weight[:N, CONST] = 1.0 / s
-        w = torch.tensor([1.0, 0.8, 0.4])
-        w = K * w / w.norm() / silu(ALPHA / 2)
-        for c, tok in enumerate((first, second, third)):
-            mlp.down_proj.weight[O + tok.flatten(), nn_] += w[c]
-        # linear neurons: token slot <- K A; clear A, C, B', O; the constant times K
-        lin = N + torch.arange(V)
-        for b, (dst, plus, minus) in enumerate([(TOK, A, TOK), (A, None, A), (C, None, C),
-                                                (B2, None, B2), (O, None, O)]):
-            rows = lin + b * V
-            mlp.gate_proj.weight[rows, CONST] = GAMMA / s
-            if plus is not None:
-                mlp.up_proj.weight[rows, plus + torch.arange(V)] = K
-            mlp.up_proj.weight[rows, minus + torch.arange(V)] -= 1.0
-            mlp.down_proj.weight[dst + torch.arange(V), rows] = 1.0 / (s * silu(GAMMA))
+        write_lookup_mlp(mlp, s, cls, first, second, third, K, c_units)
         if K != 1:
             row = N + 5 * V
             mlp.gate_proj.weight[row, CONST] = GAMMA / s
