@@ -154,7 +154,7 @@ def at_seconds(evals, s):
     return evals[-1]["replay"] if evals and evals[-1]["seconds"] <= s else None
 
 
-def mtbench(drafts, n, cache):
+def mtbench(drafts, n, cache, target="default"):
     """MT-Bench n x 2 accept length (chain 3/1/4, greedy, 128 new tokens, fp32) of each draft
     directory, in one process: the target and the prompts (second turns after the target's own
     greedy first answers) are made once. cache: {draft path: accept length}, filled in place."""
@@ -167,7 +167,7 @@ def mtbench(drafts, n, cache):
     if not todo:
         return
     torch.set_num_threads(1)
-    target, tok = load_target("default", "float32", "cpu")
+    target, tok = load_target(target, "float32", "cpu")
     pack_linears(target)
     stop = stop_token_ids(tok, target.generation_config)
     prompts = greedy_turn_prompts(target, tok, parse_benchmark(f"mtbench:{n}")[1], 128, stop)

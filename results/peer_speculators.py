@@ -90,7 +90,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import UserError, run_main  # noqa: E402
+from common import UserError, atomic_write_text, run_main  # noqa: E402
 from peer_speculators_data import SHIM_DIR, convert, run_venv, say, venv_env  # noqa: E402
 
 SPEC_PYTHON = "/root/scratch/spec-venv/bin/python"
@@ -423,6 +423,45 @@ def decode(args, conv, arm, ckpt, prompts):
     return res
 
 
+def held_out_replay(args, arm, ckpt):
+    """The held-out replayed accept length (chain of 3) that train.py logs and results/levers.py
+    compares, for any draft: train.py --init CKPT evaluates its start as step 0 on the same
+    held-out split (--eval-fraction, --seed), before its one training step; only step 0 is read."""
+    from dataset import load_dataset_dir
+    out = os.path.join(args.work, arm, "replay")
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    manifest, _, _ = load_dataset_dir(args.data)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", args.data, "--out", out,
+           "--target", args.target_path, "--init", ckpt, "--max-steps", "1", "--ttt-length", "3",
+           "--eval-fraction", repr(args.eval_fraction), "--seed", str(args.seed), "--threads", "1",
+           "--no-progress", "--batch-size", "8"]
+    if (manifest.get("hidden") or {}).get("shards"):
+        cmd.append("--offline")
+    p = run_project(cmd, os.path.join(args.work, arm, "replay.log"))
+    recs = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))] \
+        if os.path.exists(os.path.join(out, "log.jsonl")) else []
+    start = [r for r in recs if r["split"] == "eval" and r["step"] == 0]
+    if p.returncode != 0 or not start:
+        last = ((p.stderr or p.stdout).strip().splitlines() or [""])[-1]
+        raise UserError(f"train.py --init {ckpt} (the held-out replay) failed (rc {p.returncode}): "
+                        f"{last[:300]}; log {args.work}/{arm}/replay.log")
+    say(f"decode {arm}", f"held-out replayed accept length {start[0]['replay_accept_3']:.3f}")
+    return {"replay_accept_3": start[0]["replay_accept_3"], "acc_j": start[0]["acc_j"],
+            "replay_command": shlex.join(cmd)}
+
+
+def mtbench(args, ckpt):
+    """results/levers.py's MT-Bench N x 2 (chain 3/1/4, 128 tokens, fp32), cached by path in
+    WORK/mtbenchN.json: the same prompts and decoding as the lever arms' column."""
+    from levers import mtbench as levers_mtbench
+    path = os.path.join(args.work, f"mtbench{args.mtbench}.json")
+    cache = json.load(open(path)) if os.path.exists(path) else {}
+    levers_mtbench([ckpt], args.mtbench, cache, args.target_path)
+    atomic_write_text(path, json.dumps(cache, indent=1))
+    return cache[ckpt]
+
+
 # ----------------------------------------------------------------------------------------------
 # The tiny case
 
@@ -487,6 +526,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3, help="speculate.py --steps")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--replay", action="store_true",
+                    help="decode: also the held-out replayed accept length (train.py's eval)")
+    ap.add_argument("--mtbench", type=int, default=0, metavar="N",
+                    help="decode: also MT-Bench N x 2 as results/levers.py decodes it")
     ap.add_argument("--force", action="store_true", help="redo the conversion")
     ap.add_argument("--summary", default=None, help="default WORK/summary.json")
     ap.add_argument("--make-tiny-target", metavar="DIR", default=None,
@@ -602,6 +645,10 @@ def main(argv=None):
                 summary["prompts"] = {"file": prompts, "from": src, "count": n,
                                       "max_new_tokens": args.max_new_tokens, "steps": args.steps}
             r.update(decode(args, conv, arm, r["checkpoint"], prompts))
+            if args.replay:
+                r.update(held_out_replay(args, arm, r["checkpoint"]))
+            if args.mtbench:
+                r[f"mtbench{args.mtbench}"] = mtbench(args, r["checkpoint"])
             arms_out[arm] = r
             save()
     summary["seconds"] = round(time.time() - t_all, 1)
