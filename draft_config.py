@@ -65,7 +65,7 @@ class DraftConfig:
             "attention_bias": False,
             "mlp_bias": False,
             # SGLang reads eagle_config's ids and captures the input of layer i+1 (= output of
-            # layer i). vLLM (0.33.0, checked in tests/test_sglang_contract.py) reads a top-level
+            # layer i). vLLM (0.33.0, checked in tests/test_engine_checkpoints.py) reads a top-level
             # key first and captures the input of layer k as given: the same layers are k = i+1.
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},

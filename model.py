@@ -22,7 +22,7 @@ draft id i is target id `i + d2t[i]`, and `t2d[j]` says whether target id j is i
 
 Layouts. The above is the default. SGLang 0.5.23's loader (srt/models/llama_eagle3.py) reads four
 more options from the draft's config.json, and so does this file, with the same keys, tensors and
-math (vLLM 0.33.0 reads the same ones; tests/test_sglang_contract.py checks both wheels):
+math (vLLM 0.33.0 reads the same ones; tests/test_engine_checkpoints.py checks both wheels):
 
     key (where in config.json)      tensors                   what changes
     fc_norm (top level)             fc_norm.{i}.weight [Ht]   each captured layer RMS-normed before fc

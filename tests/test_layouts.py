@@ -6,7 +6,7 @@ the engines' forward (from the saved tensors and config.json alone, in the engin
 residual form); TTT equal to step-by-step cached decoding, and a training step; speculate.py
 token-identical to the target's greedy decoding (fp32); train.py end to end with a --draft-config.
 A key the project does not apply is an error. The engines' loaders are checked against the pinned
-wheels in tests/test_sglang_contract.py."""
+wheels in tests/test_engine_checkpoints.py."""
 import dataclasses
 import json
 import os
