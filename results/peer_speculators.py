@@ -34,7 +34,8 @@ DIR is a generate.py data directory (with or without hidden-state shards). Every
                 decay 1.0, kl_div, norm_before_fc + norm_output + norm_before_residual, frozen
                 lm_head from the target, sliding-window layer of 2048, packed batches of 8192
                 tokens, bf16 autocast);
-      ours      as close to train.py's defaults (read from train.parse_args here) as its flags
+      ours      as close to train.py (its defaults with --trainpy-flags, read from
+                train.parse_args here: the same settings as the trainpy arm) as its flags
                 allow (AdamW, train.py's lr / warmup / weight decay, cosine, TTT length, step
                 decay ttt.LOSS_DECAY, no norms, full attention, packed batches of batch-size x
                 mean length tokens, train.py's dtype); what no flag can express is listed in the
@@ -109,11 +110,12 @@ RESOLVED_KEYS = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_deca
 # ----------------------------------------------------------------------------------------------
 # Step 2: speculators' trainer, two flag sets, one token budget
 
-def train_py_defaults():
-    """train.py's defaults, read from its own parser (so the mapping follows it)."""
+def train_py_defaults(args):
+    """train.py's settings: its defaults with --trainpy-flags on top, read from its own parser (so
+    the ours arm's mapping follows the train.py run it is compared with)."""
     from train import parse_args
     from ttt import LOSS_DECAY
-    a = parse_args(["--data", "D", "--out", "O"])
+    a = parse_args(["--data", "D", "--out", "O", *shlex.split(args.trainpy_flags)])
     return a, LOSS_DECAY
 
 
@@ -127,7 +129,7 @@ def cuda_available():
 def arm_flags(args, conv, arm):
     """(speculators flags of this arm, what train.py does that no flag expresses, the mapping)."""
     from common import resolve_dtype
-    a, decay = train_py_defaults()
+    a, decay = train_py_defaults(args)
     n_train = conv["train_rows"]
     lengths = conv["lengths"][:n_train]
     common = ["--verifier-name-or-path", args.target_path,
@@ -152,6 +154,17 @@ def arm_flags(args, conv, arm):
               # of the same losses (losses/eager.py)
               "--loss-implementation", "eager"]
     if arm == "defaults":
+        from common import native_bf16
+        ok, why = native_bf16("cuda" if cuda_available() else "cpu")
+        if not ok:
+            # speculators' default bf16 autocast on a CPU without native bf16 (AVX2 only) runs
+            # its matmuls in torch's reference gemm (cpublas_gemm_impl): on a 2-core AVX2 EPYC
+            # the first 8192-token step was not done after 19 minutes in bf16, and takes 148 s in
+            # fp32. The dtype is the machine's, not the recipe's (train.py's auto picks fp32 too)
+            common += ["--hidden-states-dtype", "float32"]
+            changed = [f"--hidden-states-dtype float32, not bf16 ({why}; bf16 >8x slower): "
+                       f"the only change from speculators' defaults besides the CPU flags"]
+            return common + shlex.split(args.defaults_flags), changed, {}
         return common + shlex.split(args.defaults_flags), [], {}
     mean = sum(lengths) / len(lengths)
     tsl = max(max(lengths), round(a.batch_size * mean))
@@ -304,7 +317,7 @@ def train_speculators(args, conv, arm):
 def train_trainpy(args, conv):
     """This project's own train.py, same data, same token budget (its batches: train.batch_indices)."""
     from train_data import batch_indices
-    a, _ = train_py_defaults()
+    a, _ = train_py_defaults(args)
     lengths_by_seq = {}
     for k, n in zip(conv["train_ids"] + conv["eval_ids"], conv["lengths"]):
         lengths_by_seq[k] = n
@@ -520,7 +533,8 @@ def parse_args(argv=None):
                          "train-py: shifted so speculators' loss rows are train.py's")
     ap.add_argument("--defaults-flags", default="", help="extra speculators flags, defaults arm")
     ap.add_argument("--ours-flags", default="", help="extra speculators flags, ours arm")
-    ap.add_argument("--trainpy-flags", default="", help="extra train.py flags, trainpy arm")
+    ap.add_argument("--trainpy-flags", default="",
+                    help="train.py flags of the trainpy arm; the ours arm maps the same settings")
     ap.add_argument("--prompts", default=None, help="JSONL prompts (default: the held-out split)")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -561,7 +575,7 @@ def main(argv=None):
     from common import resolve_target
     from dataset import load_dataset_dir
     manifest, _, _ = load_dataset_dir(args.data)
-    a, _ = train_py_defaults()
+    a, _ = train_py_defaults(args)
     args.eval_fraction = a.eval_fraction if args.eval_fraction is None else args.eval_fraction
     args.seed = a.seed if args.seed is None else args.seed
     args.target_path = os.path.abspath(resolve_target(args.target or manifest["target"])) \
