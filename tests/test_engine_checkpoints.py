@@ -35,19 +35,27 @@ def vllm():
 # ----------------------------------------------------------------------------------------------
 # 2. Checkpoints both engines load
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """What model.py writes for a draft with a reduced vocabulary and non-default layers."""
+def saved_draft(tmp_path_factory, name, aux, **layout):
+    """(tensor names, config.json) of what model.py writes for a tiny draft: a reduced vocabulary,
+    the captured layers `aux`, and the layout options `layout` (DraftConfig fields)."""
+    import dataclasses
     from safetensors import safe_open
     from model import Eagle3Draft
     from draft_config import config_from_target
     target = make_tiny_target(vocab_size=64, hidden_size=32, layers=8)
-    cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=[0, 3, 6])
-    d = tmp_path_factory.mktemp("draft")
+    cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=aux)
+    cfg = dataclasses.replace(cfg, **layout)
+    d = tmp_path_factory.mktemp(name)
     Eagle3Draft(cfg, target.get_input_embeddings().weight).save_pretrained(str(d))
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     return names, json.loads((d / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """What model.py writes for a draft with a reduced vocabulary and non-default layers."""
+    return saved_draft(tmp_path_factory, "draft", [0, 3, 6])
 
 
 def literal(tree, fn_name, var):
@@ -327,19 +335,8 @@ def test_d2t_offsets_match_both_engines(sgl, vllm, checkpoint, tmp_path):
 
 @pytest.fixture(scope="module")
 def layout_checkpoint(tmp_path_factory):
-    import dataclasses
-    from safetensors import safe_open
-    from model import Eagle3Draft
-    from draft_config import config_from_target
-    target = make_tiny_target(vocab_size=64, hidden_size=32, layers=8)
-    cfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=[0, 1, 3, 4, 6])
-    cfg = dataclasses.replace(cfg, fc_norm=True, norm_before_fc=True, norm_output=True,
-                              num_hidden_layers=3)
-    d = tmp_path_factory.mktemp("layout_draft")
-    Eagle3Draft(cfg, target.get_input_embeddings().weight).save_pretrained(str(d))
-    with safe_open(str(d / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-    return names, json.loads((d / "config.json").read_text())
+    return saved_draft(tmp_path_factory, "layout_draft", [0, 1, 3, 4, 6], fc_norm=True,
+                       norm_before_fc=True, norm_output=True, num_hidden_layers=3)
 
 
 def test_layout_tensors_load_in_both_engines(sgl, vllm, layout_checkpoint):
