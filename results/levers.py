@@ -163,7 +163,7 @@ def mtbench(drafts, n, cache, target="default"):
     from common import load_target, pack_linears, stop_token_ids
     from model import load_draft_for
     from speculate import Speculator
-    todo = [d for d in drafts if d not in cache]
+    todo = [d for d in dict.fromkeys(drafts) if d not in cache]    # each draft once
     if not todo:
         return
     torch.set_num_threads(1)
