@@ -60,7 +60,7 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     # trained one-layer draft has no second layer to continue.
     "2-layers": ("two decoder layers, ~equal FLOPs", [{"num_hidden_layers": 2}, "--max-steps", "62"]),
     # the draft's layers come from the data: generate.py --aux-layers 1 7 14 20 26 --vocab-from
-    # the shipped draft (its vocabulary only), same conversations; the step costs 1.0x (fc only)
+    # the shipped draft (its vocabulary only), same conversations; the step costs 1.02x (a wider fc)
     "5-aux": ("five captured layers (1, 7, 14, 20, 26), not three", []),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers

@@ -127,7 +127,8 @@ def cuda_available():
 
 
 def arm_flags(args, conv, arm):
-    """(speculators flags of this arm, what train.py does that no flag expresses, the mapping)."""
+    """(speculators flags of this arm, what train.py does that no flag expresses (defaults arm:
+    what this machine changes from speculators' defaults), the mapping)."""
     from common import resolve_dtype
     a, decay = train_py_defaults(args)
     n_train = conv["train_rows"]
@@ -156,6 +157,7 @@ def arm_flags(args, conv, arm):
     if arm == "defaults":
         from common import native_bf16
         ok, why = native_bf16("cuda" if cuda_available() else "cpu")
+        changed = []
         if not ok:
             # speculators' default bf16 autocast on a CPU without native bf16 (AVX2 only) runs
             # its matmuls in torch's reference gemm (cpublas_gemm_impl): on a 2-core AVX2 EPYC
@@ -164,8 +166,7 @@ def arm_flags(args, conv, arm):
             common += ["--hidden-states-dtype", "float32"]
             changed = [f"--hidden-states-dtype float32, not bf16 ({why}; bf16 >8x slower): "
                        f"the only change from speculators' defaults besides the CPU flags"]
-            return common + shlex.split(args.defaults_flags), changed, {}
-        return common + shlex.split(args.defaults_flags), [], {}
+        return common + shlex.split(args.defaults_flags), changed, {}
     mean = sum(lengths) / len(lengths)
     tsl = max(max(lengths), round(a.batch_size * mean))
     dt, _ = resolve_dtype(a.dtype, "cuda" if cuda_available() else "cpu")
@@ -314,6 +315,13 @@ def train_speculators(args, conv, arm):
             "seconds_per_step": round(wall / max(steps_run or 1, 1), 2)}
 
 
+def offline_flag(args):
+    """train.py reads the data's hidden-state shards when it has them (else the target runs)."""
+    from dataset import load_dataset_dir
+    manifest, _, _ = load_dataset_dir(args.data)
+    return ["--offline"] if (manifest.get("hidden") or {}).get("shards") else []
+
+
 def train_trainpy(args, conv):
     """This project's own train.py, same data, same token budget (its batches: train.batch_indices)."""
     from train_data import batch_indices
@@ -330,15 +338,11 @@ def train_trainpy(args, conv):
     adir = os.path.join(args.work, "trainpy")
     if os.path.exists(adir):
         shutil.rmtree(adir)
-    from dataset import load_dataset_dir
-    manifest, _, _ = load_dataset_dir(args.data)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", args.data, "--out", adir,
            "--target", args.target_path, "--max-steps", str(steps), "--eval-every", str(steps),
            "--save-every", str(steps), "--threads", str(args.threads), "--no-progress",
            "--producer-threads", str(args.threads), "--eval-fraction", repr(args.eval_fraction),
-           "--seed", str(args.seed)]
-    if (manifest.get("hidden") or {}).get("shards"):
-        cmd.append("--offline")
+           "--seed", str(args.seed), *offline_flag(args)]
     cmd += shlex.split(args.trainpy_flags)
     say("train trainpy", f"train.py: {steps} steps of {a.batch_size} sequences ({tokens:,} tokens)")
     t0 = time.time()
@@ -440,20 +444,15 @@ def held_out_replay(args, arm, ckpt):
     """The held-out replayed accept length (chain of 3) that train.py logs and results/levers.py
     compares, for any draft: train.py --init CKPT evaluates its start as step 0 on the same
     held-out split (--eval-fraction, --seed), before its one training step; only step 0 is read."""
-    from dataset import load_dataset_dir
     out = os.path.join(args.work, arm, "replay")
     if os.path.exists(out):
         shutil.rmtree(out)
-    manifest, _, _ = load_dataset_dir(args.data)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", args.data, "--out", out,
            "--target", args.target_path, "--init", ckpt, "--max-steps", "1", "--ttt-length", "3",
            "--eval-fraction", repr(args.eval_fraction), "--seed", str(args.seed), "--threads", "1",
-           "--no-progress", "--batch-size", "8"]
-    if (manifest.get("hidden") or {}).get("shards"):
-        cmd.append("--offline")
+           "--no-progress", "--batch-size", "8", *offline_flag(args)]
     p = run_project(cmd, os.path.join(args.work, arm, "replay.log"))
-    recs = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))] \
-        if os.path.exists(os.path.join(out, "log.jsonl")) else []
+    recs = read_metrics(os.path.join(out, "log.jsonl"))
     start = [r for r in recs if r["split"] == "eval" and r["step"] == 0]
     if p.returncode != 0 or not start:
         last = ((p.stderr or p.stdout).strip().splitlines() or [""])[-1]

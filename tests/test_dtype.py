@@ -124,3 +124,26 @@ def test_scripts_say_which_dtype_and_machine(tmp_path):
         first = r.stderr.splitlines()[0]
         assert first.startswith(f"dtype auto: {dtype} (") and "machine: " in first, first
         assert common.cpu_name() is None or common.cpu_name() in first
+
+
+@pytest.mark.parametrize("flags,fp32", [(AVX2, True), (AVX512_BF16, False)])
+def test_peer_defaults_arm_dtype_follows_the_cpu(monkeypatch, flags, fp32):
+    """results/peer_speculators.py's defaults arm keeps speculators' bf16 where bf16 is native and
+    trains in fp32 elsewhere (bf16 there is torch's reference gemm), saying so; the CPU flags are
+    injected, so both branches run on any machine."""
+    import argparse
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "results"))
+    import peer_speculators
+    monkeypatch.setattr(common, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(peer_speculators, "cuda_available", lambda: False)
+    args = argparse.Namespace(target_path="T", defaults_flags="", trainpy_flags="")
+    conv = {"train_rows": 2, "lengths": [10, 20], "spec_data": "S", "vocab_files": ["d", "t"],
+            "draft_vocab_size": 8, "aux_layer_ids": {"speculators_input_of_layer": [2, 3, 4]},
+            "train_data_ratio": 0.5}
+    cmd, changed, _ = peer_speculators.arm_flags(args, conv, "defaults")
+    if fp32:
+        assert cmd[cmd.index("--hidden-states-dtype") + 1] == "float32"
+    else:
+        assert "--hidden-states-dtype" not in cmd              # speculators' own bf16 default
+    assert bool(changed) == fp32 and all("float32" in c for c in changed)
