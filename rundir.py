@@ -32,14 +32,14 @@ def state_options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def save_checkpoint(run_dir, step, module, opt, sched, data_pos, args, draft_cfg, draft_ids,
+def save_checkpoint(run_dir, step, module, opts, scheds, data_pos, args, draft_cfg, draft_ids,
                     rank, keep, export_dtype):
     """Write checkpoints/step-N atomically: everything goes into a temporary directory that is
     renamed into place at the end, so a kill at any moment leaves only complete checkpoints."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from model import Eagle3Draft
     msd = get_model_state_dict(module, options=state_options(cpu_offload=True))
-    osd = get_optimizer_state_dict(module, opt, options=state_options(cpu_offload=True))
+    osd = get_optimizer_state_dict(module, opts, options=state_options(cpu_offload=True))
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     rngs = [None] * dist.get_world_size()
@@ -54,7 +54,7 @@ def save_checkpoint(run_dir, step, module, opt, sched, data_pos, args, draft_cfg
         os.makedirs(tmp)
         # the embedding is the target's and frozen: not part of the trainer state
         sd = {k[len("draft."):]: v for k, v in msd.items() if k != "draft.embed_tokens.weight"}
-        torch.save({"step": step, "model": sd, "optim": osd, "sched": sched.state_dict(),
+        torch.save({"step": step, "model": sd, "optim": osd, "sched": [s.state_dict() for s in scheds],
                     "rng": rngs, "data": data_pos, "args": vars(args),
                     "draft_ids": draft_ids.cpu()}, os.path.join(tmp, "trainer_state.pt"))
         export = Eagle3Draft(draft_cfg)
@@ -109,7 +109,7 @@ def list_checkpoints(run_dir):
                   if os.path.exists(os.path.join(p, "trainer_state.pt")))
 
 
-def load_checkpoint(path, module, opt, sched, rank, world, draft_ids):
+def load_checkpoint(path, module, opts, scheds, rank, world, draft_ids):
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     try:
         st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
@@ -120,8 +120,10 @@ def load_checkpoint(path, module, opt, sched, rank, world, draft_ids):
                         f"vocab.safetensors")
     sd = {"draft." + k: v for k, v in st["model"].items()}
     set_model_state_dict(module, sd, options=state_options(strict=False))
-    set_optimizer_state_dict(module, opt, st["optim"], options=state_options())
-    sched.load_state_dict(st["sched"])
+    set_optimizer_state_dict(module, opts, st["optim"], options=state_options())
+    # one schedule per optimizer (train.py --optimizer muon has two); older checkpoints hold one
+    for s, sd in zip(scheds, st["sched"] if isinstance(st["sched"], list) else [st["sched"]]):
+        s.load_state_dict(sd)
     if len(st["rng"]) == world:   # RNG streams are per rank; a different world size starts fresh
         r = st["rng"][rank]
         torch.set_rng_state(r["torch"])

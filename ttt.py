@@ -57,7 +57,28 @@ def target_side(final, lm_w_draft, need=None, in_vocab=None, lm_w=None, t2d=None
     if in_vocab is not None:
         return probs, probs.argmax(-1), in_vocab if need is None else in_vocab & need
     return probs, probs.argmax(-1), inv.view(B, T)
-    return probs, probs.argmax(-1), inv
+
+
+def top_k_labels(probs, k):
+    """train.py --distill-topk K: the target's distribution cut to its K most likely draft tokens,
+    renormalised. K = 1 is the hard label (one-hot argmax): all a greedy chain is judged on;
+    the full soft label also teaches the order of the runners-up, which tree drafting uses.
+    Rows that are all zero (never needed) stay zero."""
+    top = probs.topk(k, -1)
+    cut = torch.zeros_like(probs).scatter_(-1, top.indices, top.values)
+    return cut / cut.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def noisy_features(aux, n_layers, std, gen):
+    """train.py --feature-noise STD: aux [B, T, n*Ht] + N(0, (STD * rms)^2), rms the row's RMS in
+    each captured layer, so the same STD means as much to a layer of RMS 3 as to one of RMS 24.
+    At decode time the draft's features come from the target on text it has not seen; noise is
+    the cheap stand-in for that shift (EAGLE's uniform feature noise, scaled per layer)."""
+    B, T, A = aux.shape
+    x = aux.view(B, T, n_layers, A // n_layers)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    eps = torch.randn(x.shape, generator=gen, device="cpu").to(aux.device)
+    return (x + std * rms * eps).view(B, T, A)
 
 
 def shift_left(x, k, fill=0):

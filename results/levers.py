@@ -62,6 +62,11 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     # the draft's layers come from the data: generate.py --aux-layers 1 7 14 20 26 --vocab-from
     # the shipped draft (its vocabulary only), same conversations; the step costs 1.02x (a wider fc)
     "5-aux": ("five captured layers (1, 7, 14, 20, 26), not three", []),
+    # training-procedure levers: they apply to a trained draft too, so both protocols run them
+    "muon": ("Muon on the 2D matrices (AdamW on lm_head, norms), same lr", ["--optimizer", "muon"]),
+    "hard-labels": ("the target's argmax as a one-hot label, not its distribution",
+                    ["--distill-topk", "1"]),
+    "noise": ("Gaussian feature noise, 0.1 x each layer's RMS", ["--feature-noise", "0.1"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 

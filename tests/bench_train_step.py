@@ -6,7 +6,7 @@ and every later time (only the draft vocabulary's rows), next to one TTT forward
 AdamW step of the draft. Random features at SmolLM2-135M's sizes; only the shapes matter.
 
     python tests/bench_train_step.py [--ttt-length 3] [--batch-size 8] [--seq-len 256] [--vocab 8192]
-    python tests/bench_train_step.py --variants base frozen-head 2-layers eagle31 5-aux [--repeats 7]
+    python tests/bench_train_step.py --variants base frozen-head 2-layers eagle31 5-aux muon [--repeats 7]
 
 --variants times the draft step of issue 23's levers that change its cost, interleaved (one
 step of each in turn, --repeats rounds, medians), so their ratios are measured side by side:
@@ -29,7 +29,8 @@ from common import resolve_dtype  # noqa: E402
 
 VARIANTS = {"base": {}, "frozen-head": {}, "2-layers": {"num_hidden_layers": 2},
             "eagle31": {"fc_norm": True, "norm_output": True},
-            "5-aux": {"aux_layer_ids": [1, 7, 14, 20, 26]}}    # fc reads 5 x H, not 3 x H
+            "5-aux": {"aux_layer_ids": [1, 7, 14, 20, 26]},    # fc reads 5 x H, not 3 x H
+            "muon": {}}                  # the optimizer: train.py --optimizer muon's two groups
 
 
 def timed(f, n=3):
@@ -106,16 +107,23 @@ def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n):
         if name == "frozen-head":
             d.lm_head.weight.requires_grad_(False)
         m = ttt.TTTLoss(d, a.ttt_length)
-        opt = torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-4)
+        params = [(k, q) for k, q in m.named_parameters() if q.requires_grad]
+        mats = [q for k, q in params if name == "muon" and q.ndim == 2 and "lm_head" not in k]
+        opts = [torch.optim.AdamW([q for _, q in params if all(q is not w for w in mats)], lr=1e-4)]
+        if mats:    # as train.py: Newton-Schulz in fp32 where bf16 is not native
+            import train
+            train.muon_in_fp32_here("cpu")
+            opts.append(torch.optim.Muon(mats, lr=1e-4, adjust_lr_fn="match_rms_adamw"))
         x = aux if len(c.aux_layer_ids) == 3 else \
             torch.randn(*aux.shape[:2], len(c.aux_layer_ids) * c.target_hidden_size) * 5
 
-        def step(m=m, opt=opt, x=x):
+        def step(m=m, opts=opts, x=x):
             with ac:
                 loss, _, _ = m(ids, x, p, am, valid, denom, 1.0)
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
         step()                                        # warm up
         steps[name] = step
     times = {k: [] for k in steps}

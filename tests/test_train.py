@@ -355,7 +355,7 @@ def test_offline_run_exports_loadable_draft_and_learns(tmp_path, data_dir, targe
     assert torch.equal(draft.draft_ids, st["draft_ids"])
 
 
-def interrupted_equals_uninterrupted(tmp_path, data_dir, how, online=False):
+def interrupted_equals_uninterrupted(tmp_path, data_dir, how, online=False, extra=()):
     """Interrupt a run after its first checkpoint, resume it, compare with an uninterrupted run.
     Training is deterministic, so a "resume" that restored nothing and retrained from step 0
     would end identical too: the resumed process must also say it starts at the checkpoint's
@@ -363,7 +363,7 @@ def interrupted_equals_uninterrupted(tmp_path, data_dir, how, online=False):
     (timings included), adding only the remaining steps."""
     common = ["--data", data_dir, "--batch-size", "2", "--max-steps", "40",
               "--lr", "1e-3", "--ttt-length", "3", "--save-every", "3", "--eval-every", "1000",
-              "--log-every", "1"] + FP32 + ([] if online else ["--offline"])
+              "--log-every", "1"] + FP32 + ([] if online else ["--offline"]) + list(extra)
     ref = str(tmp_path / "ref")
     run_train(common + ["--out", ref])
     out = str(tmp_path / how)
@@ -404,7 +404,10 @@ def test_kill_and_resume_gives_identical_weights(tmp_path, data_dir):
 
 
 def test_ctrl_c_saves_and_resume_gives_identical_weights(tmp_path, data_dir):
-    interrupted_equals_uninterrupted(tmp_path, data_dir, "interrupt")
+    """With the levers that keep state across steps: Muon's momentum and its own schedule (a
+    second optimizer in the checkpoint), and feature noise drawn per step."""
+    interrupted_equals_uninterrupted(tmp_path, data_dir, "interrupt", extra=[
+        "--optimizer", "muon", "--feature-noise", "0.1", "--distill-topk", "2"])
 
 
 def test_online_kill_and_resume(tmp_path, data_dir):

@@ -1,0 +1,112 @@
+"""train.py's training-procedure levers (issue 23): --optimizer muon, --feature-noise,
+--distill-topk. Each is checked for its math and for reaching the training step, and only it:
+the held-out eval must not see the noise or the cut labels. Resume with all three on is
+test_train.py's Ctrl-C test. Tiny random targets, fp32."""
+import os
+
+import torch
+
+from test_train import FP32, data_dir, expect_error, final_state, read_log, run_train, target_dir  # noqa: F401
+import ttt
+
+
+def test_top_k_labels():
+    p = torch.softmax(torch.randn(5, 12, generator=torch.Generator().manual_seed(0)), -1)
+    p[4] = 0                                              # a row never needed stays zero
+    one = ttt.top_k_labels(p, 1)
+    assert torch.equal(one[:4], torch.nn.functional.one_hot(p[:4].argmax(-1), 12).float())
+    assert torch.equal(one[4], p[4])
+    two = ttt.top_k_labels(p, 2)
+    top = p[:4].topk(2, -1)
+    assert torch.allclose(two[:4].gather(-1, top.indices), top.values / top.values.sum(-1, keepdim=True))
+    assert int((two[:4] > 0).sum()) == 8
+    assert torch.allclose(ttt.top_k_labels(p, 12), p)      # K = the vocabulary: nothing cut
+
+
+def test_noisy_features_scale_with_each_layer():
+    """Three captured layers of RMS 1, 5 and 20: the noise is 0.1 of each, not of their mix."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1.0, 5.0, 20.0])
+    x = torch.randn(4, 300, 3, 64, generator=g)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * scales[:, None]
+    aux = x.reshape(4, 300, 192).clone()
+    aux[:, 250:] = 0                                       # padding: no noise
+    out = ttt.noisy_features(aux, 3, 0.1, torch.Generator().manual_seed(1))
+    d = (out - aux).view(4, 300, 3, 64)
+    std = d[:, :250].pow(2).mean((0, 1, 3)).sqrt()
+    assert torch.allclose(std, 0.1 * scales, rtol=0.03), std
+    assert torch.equal(out[:, 250:], aux[:, 250:])
+    assert torch.equal(out, ttt.noisy_features(aux, 3, 0.1, torch.Generator().manual_seed(1)))
+
+
+def one_step(data, out, lr, *flags, steps=1):
+    run_train(["--data", data, "--out", out, "--offline", "--batch-size", "2", "--max-steps", str(steps),
+               "--lr", lr, "--ttt-length", "3", "--warmup", "0", *flags] + FP32)
+    return final_state(out)["model"]
+
+
+def test_muon_orthogonalises_matrices_and_leaves_lm_head_to_adamw(tmp_path, data_dir):
+    """One step from the same start: W(lr) - W(~0) is the step's update. Muon's is the momentum
+    orthogonalised (singular values near one, times 0.2 sqrt(max dim) lr with match_rms_adamw);
+    AdamW's first step, lr sign(g), is not. lm_head stays on AdamW: its update is AdamW's."""
+    w0 = one_step(data_dir, str(tmp_path / "w0"), "1e-12")
+    adam = one_step(data_dir, str(tmp_path / "adam"), "1e-3")
+    muon = one_step(data_dir, str(tmp_path / "muon"), "1e-3", "--optimizer", "muon")
+    for k in ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "fc.weight"):
+        sm = torch.linalg.svdvals((muon[k] - w0[k]).double())
+        sa = torch.linalg.svdvals((adam[k] - w0[k]).double())
+        expect = 1e-3 * 0.2 * max(w0[k].shape) ** 0.5
+        assert 0.6 < sm.median() / expect < 1.3, (k, sm.median() / expect)
+        assert sm.max() / sm.median() < 1.7, (k, sm.tolist())          # flat: orthogonalised
+        assert sa.max() / sa.median() > 2.2, (k, sa.tolist())          # AdamW's is not
+    k = "lm_head.weight"
+    assert not torch.equal(adam[k], w0[k]) and torch.allclose(muon[k], adam[k], atol=1e-7)
+
+
+def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
+    """From one --init draft, two steps each: the step-0 held-out eval is the same bit for bit
+    with or without the levers (the eval sees clean features and full labels), and the weights
+    after the steps differ (each lever reaches the training step). Two, because AdamW's first
+    step is lr sign(g): a changed gradient of unchanged signs moves nothing."""
+    start = str(tmp_path / "start")
+    run_train(["--data", data_dir, "--out", start, "--offline", "--batch-size", "2", "--max-steps",
+               "4", "--lr", "3e-3", "--ttt-length", "3"] + FP32)
+    init = os.path.join(start, "checkpoints", "step-000004")
+    runs = {}
+    for name, flags in {"plain": [], "noise": ["--feature-noise", "0.2"],
+                        "top1": ["--distill-topk", "1"]}.items():
+        out = str(tmp_path / name)
+        runs[name] = (one_step(data_dir, out, "1e-3", "--init", init, "--eval-every", "100", *flags,
+                               steps=2), read_log(out, "eval"))
+    plain_w, plain_ev = runs["plain"]
+    for name in ("noise", "top1"):
+        w, ev = runs[name]
+        assert ev[0]["step"] == 0 and ev[0] == plain_ev[0], name
+        assert any(not torch.equal(w[k], plain_w[k]) for k in w), name
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--feature-noise", "-1"],
+                 "--feature-noise -1.0: expected >= 0")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--distill-topk", "-2"],
+                 "--distill-topk -2: expected >= 1")
+
+
+def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():
+    """Both branches by injected CPU flags: AVX2 only -> train.py's fp32 iteration; avx512_bf16
+    -> torch's own (bf16). The fp32 one is torch's math: same result to bf16 rounding."""
+    import torch.optim._muon as muon
+    import train
+    torchs = muon._zeropower_via_newtonschulz
+    try:
+        assert not train.muon_in_fp32_here("cpu", flags={"avx2", "avx512f", "avx512_bf16"})
+        assert muon._zeropower_via_newtonschulz is torchs
+        assert train.muon_in_fp32_here("cpu", flags={"avx2", "fma"})
+        assert muon._zeropower_via_newtonschulz is train.newton_schulz_fp32
+    finally:
+        muon._zeropower_via_newtonschulz = torchs
+    coef = (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C)
+    for shape in ((24, 40), (40, 24)):
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        ours, ref = train.newton_schulz_fp32(g, coef, 5, 1e-7), torchs(g, coef, 5, 1e-7).float()
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        assert (ours - ref).abs().max() < 0.03 * ref.abs().max(), (ours - ref).abs().max()
+        sv = torch.linalg.svdvals(ours)
+        assert 0.5 < sv.min() and sv.max() < 1.3, sv            # about U V^T
