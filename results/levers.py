@@ -64,6 +64,13 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     "5-aux": ("five captured layers (1, 7, 14, 20, 26), not three", []),
     # training-procedure levers: they apply to a trained draft too, so both protocols run them
     "muon": ("Muon on the 2D matrices (AdamW on lm_head, norms), same lr", ["--optimizer", "muon"]),
+    "muon-3e-3": ("Muon, as muon, at 3x the lr (Muon's own best lr need not be AdamW's)",
+                  ["--optimizer", "muon", "--lr", "3e-3"]),
+    "lr-3e-3": ("AdamW at 3x the lr: muon-3e-3's control", ["--lr", "3e-3"]),
+    # bench_train_step --variants base muon: the draft step 1.20x (fp32 Newton-Schulz on this
+    # AVX2 CPU); with the target side, 86 Muon steps cost the base's 100 over this data
+    "muon-3e-3-86": ("muon-3e-3 at the base's compute: 86 steps",
+                     ["--optimizer", "muon", "--lr", "3e-3", "--max-steps", "86"]),
     "hard-labels": ("the target's argmax as a one-hot label, not its distribution",
                     ["--distill-topk", "1"]),
     "noise": ("Gaussian feature noise, 0.1 x each layer's RMS", ["--feature-noise", "0.1"]),
@@ -159,10 +166,11 @@ def at_seconds(evals, s):
     return evals[-1]["replay"] if evals and evals[-1]["seconds"] <= s else None
 
 
-def mtbench(drafts, n, cache, target="default"):
+def mtbench(drafts, n, cache, target="default", save=None):
     """MT-Bench n x 2 accept length (chain 3/1/4, greedy, 128 new tokens, fp32) of each draft
     directory, in one process: the target and the prompts (second turns after the target's own
-    greedy first answers) are made once. cache: {draft path: accept length}, filled in place."""
+    greedy first answers) are made once. cache: {draft path: accept length}, filled in place;
+    save(cache) after each draft, so a stopped summary keeps what it decoded."""
     import torch
     from benchmarks import greedy_turn_prompts, parse_benchmark
     from common import load_target, pack_linears, stop_token_ids
@@ -182,6 +190,8 @@ def mtbench(drafts, n, cache, target="default"):
         runs = [spec.generate(ids, 128)[1] for ids in prompts]
         cache[d] = sum(sum(s["accepted"]) + s["rounds"] for s in runs) / sum(s["rounds"] for s in runs)
         print(f"MT-Bench {n} x 2: {d}: {cache[d]:.3f}", file=sys.stderr)
+        if save:
+            save(cache)
 
 
 def summary(args):
@@ -214,8 +224,8 @@ def summary(args):
                     r["best_draft"] = r["last_draft"]          # the same weights: decode once
     if args.mtbench:
         drafts = [SHIPPED] + [r[k] for r in out.values() for k in ("last_draft", "best_draft") if r.get(k)]
-        mtbench(drafts, args.mtbench, cache)
-        atomic_write_text(cache_path, json.dumps(cache, indent=1))
+        mtbench(drafts, args.mtbench, cache,
+                save=lambda c: atomic_write_text(cache_path, json.dumps(c, indent=1)))
         for r in out.values():
             r["mtbench_last"], r["mtbench_best"] = cache.get(r.get("last_draft")), cache.get(r.get("best_draft"))
         print(f"MT-Bench {args.mtbench} x 2, the shipped draft (every continued arm's start): "
