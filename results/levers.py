@@ -251,6 +251,7 @@ def plot(out, path):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(PROTOCOLS), figsize=(13, 4.5))
     for ax, proto in zip(axes, PROTOCOLS):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)     # more arms than the default 10 colours
         for name, r in out.items():
             if name.startswith(proto + "-"):
                 ax.plot([e["tokens"] / 1e3 for e in r["evals"]], [e["replay"] for e in r["evals"]],
