@@ -28,6 +28,7 @@ SP = "tests/test_speculate.py"
 SAMPLING_FILE = "tests/test_sampling.py"
 SAMPLING = SAMPLING_FILE + "::test_every_emitted_token_has_the_target_distribution"
 TRAIN = "tests/test_train.py"
+LEVERS = "tests/test_train_levers.py"
 BAD = "tests/test_bad_inputs.py"
 
 # (name, file, old snippet, new snippet, tests to run). `old` must occur exactly once; old and
@@ -206,6 +207,21 @@ MUTANTS = [
     ("online-resume-producer-from-step-0", "train.py",
      "                 for s in range(r.start, r.stop_at)]", "                 for s in range(0, r.stop_at)]",
      [TRAIN + "::test_online_kill_and_resume"]),
+    # ---- training levers (issue 23) ----
+    ("feature-noise-also-in-the-eval", "train.py",
+     "    if key[0] == \"train\" and r.args.feature_noise:", "    if r.args.feature_noise:",
+     [LEVERS + "::test_noise_and_cut_labels_reach_training_not_the_eval"]),
+    ("distill-topk-ignored", "train.py",
+     "        targ_p = top_k_labels(targ_p, r.args.distill_topk)", "        targ_p = targ_p",
+     [LEVERS + "::test_noise_and_cut_labels_reach_training_not_the_eval"]),
+    ("muon-takes-lm-head", "train.py",
+     "            and min(p.shape) > 1 and \"lm_head\" not in n]", "            and min(p.shape) > 1]",
+     [LEVERS + "::test_muon_orthogonalises_matrices_and_leaves_lm_head_to_adamw"]),
+    ("muon-state-not-restored", "rundir.py",
+     "    set_optimizer_state_dict(module, opts, st[\"optim\"], options=state_options())",
+     "    set_optimizer_state_dict(module, opts, st[\"optim\"], options=state_options())\n"
+     "    [o.state.clear() for o in opts[1:]]     # Muon's momentum lost on resume",
+     [TRAIN + "::test_ctrl_c_saves_and_resume_gives_identical_weights"]),
     # ---- training metrics and export ----
     ("export-perturbs-non-lm-head", "model.py",
      "        sd = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()",
