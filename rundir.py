@@ -109,12 +109,16 @@ def list_checkpoints(run_dir):
                   if os.path.exists(os.path.join(p, "trainer_state.pt")))
 
 
-def load_checkpoint(path, module, opts, scheds, rank, world, draft_ids):
+def load_checkpoint(path, module, opts, scheds, rank, world, draft_ids, check_args=None):
+    """Restore a checkpoint into the module, optimizers and schedules; check_args(saved args)
+    runs first, so a refused resume loads nothing."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     try:
         st = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
     except Exception as e:
         raise UserError(f"{path}: unreadable checkpoint ({str(e).splitlines()[0]})")
+    if check_args:
+        check_args(st["args"])
     if not torch.equal(st["draft_ids"], draft_ids.cpu()):
         raise UserError(f"{path}: the checkpoint's draft vocabulary does not match the data's "
                         f"vocab.safetensors")

@@ -426,12 +426,13 @@ def open_run_dir(r):
             raise UserError(f"--resume: {ck[-1]} holds a draft of another shape ({diff[0]} "
                             f"{getattr(saved, diff[0])}, now {getattr(r.cfg, diff[0])}): resume "
                             f"with the run's --draft-config")
-        st = load_checkpoint(ck[-1], r.module, r.opts, r.scheds, rank, r.world, r.vocab["draft_ids"])
-        old = st["args"]
-        for k in ("batch_size", "seed", "ttt_length", "eval_fraction", "optimizer"):
-            if old.get(k, "adamw") != getattr(args, k):    # runs before --optimizer: adamw
-                raise UserError(f"--resume: the run used --{k.replace('_', '-')} {old.get(k, 'adamw')}, "
-                                f"not {getattr(args, k)}")
+        def same_run(old):    # before any state is loaded: another optimizer's would not fit
+            for k in ("batch_size", "seed", "ttt_length", "eval_fraction", "optimizer"):
+                if old.get(k, "adamw") != getattr(args, k):    # runs before --optimizer: adamw
+                    raise UserError(f"--resume: the run used --{k.replace('_', '-')} "
+                                    f"{old.get(k, 'adamw')}, not {getattr(args, k)}")
+        st = load_checkpoint(ck[-1], r.module, r.opts, r.scheds, rank, r.world, r.vocab["draft_ids"],
+                             same_run)
         start, tokens_seen = st["step"], st["data"].get("tokens", 0)
         if rank == 0:
             truncate_log(r.log_path, start)

@@ -194,7 +194,8 @@ MUTANTS = [
      "        return emb.cos().to(dtype), emb.sin().to(dtype)", [BAD]),
     # ---- resume ----
     ("resume-restores-nothing-and-says-so-quietly", "train.py",
-     ("        st = load_checkpoint(ck[-1], r.module, r.opts, r.scheds, rank, r.world, r.vocab[\"draft_ids\"])",
+     ("        st = load_checkpoint(ck[-1], r.module, r.opts, r.scheds, rank, r.world, r.vocab[\"draft_ids\"],\n"
+      "                             same_run)",
       "        start, tokens_seen = st[\"step\"], st[\"data\"].get(\"tokens\", 0)",
       "            print(f\"resumed from {ck[-1]} at step {start}\", file=sys.stderr)"),
      ("        st = {\"args\": vars(args), \"step\": int(os.path.basename(ck[-1])[5:]), \"data\": {}}",

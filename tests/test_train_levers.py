@@ -110,3 +110,13 @@ def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():
         assert (ours - ref).abs().max() < 0.03 * ref.abs().max(), (ours - ref).abs().max()
         sv = torch.linalg.svdvals(ours)
         assert 0.5 < sv.min() and sv.max() < 1.3, sv            # about U V^T
+
+
+def test_resume_refuses_another_optimizer(tmp_path, data_dir):
+    """A checkpoint holds AdamW's moments and one schedule; resuming it as Muon would silently
+    start Muon's momentum from nothing, so it is an error naming the flag."""
+    out = str(tmp_path / "run")
+    common = ["--data", data_dir, "--out", out, "--offline", "--batch-size", "2", "--ttt-length", "3"]
+    run_train(common + ["--max-steps", "2"] + FP32)
+    expect_error(common + ["--max-steps", "4", "--resume", "--optimizer", "muon"],
+                 "--resume: the run used --optimizer adamw, not muon")
