@@ -105,6 +105,12 @@ def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     return x.T if grad.size(0) > grad.size(1) else x
 
 
+def muon_split(named):
+    """(Muon's params, AdamW's) from (name, param) pairs: Muon takes the 2D hidden matrices."""
+    muon = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in n]
+    return muon, [p for _, p in named if all(p is not m for m in muon)]
+
+
 def muon_in_fp32_here(device, flags=None):
     """Where bf16 is not native (common.native_bf16; flags injectable for tests), point
     torch.optim.Muon at newton_schulz_fp32 (it looks the function up in its module at each
@@ -393,9 +399,7 @@ def build_optimizer(r):
     # (Newton-Schulz), so every direction of the matrix moves at one rate; lm_head and the
     # norms stay on AdamW (Muon is for hidden matrices only). match_rms_adamw scales its update
     # to AdamW's RMS, so one --lr serves both. The optimizers step together, one schedule each.
-    muon = [p for n, p in named if args.optimizer == "muon" and p.ndim == 2
-            and min(p.shape) > 1 and "lm_head" not in n]
-    rest = [p for p in r.params if all(p is not m for m in muon)]
+    muon, rest = muon_split(named) if args.optimizer == "muon" else ([], r.params)
     r.opts = [torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95),
                                 weight_decay=args.weight_decay)] if rest else []
     if muon:
@@ -428,9 +432,10 @@ def open_run_dir(r):
                             f"with the run's --draft-config")
         def same_run(old):    # before any state is loaded: another optimizer's would not fit
             for k in ("batch_size", "seed", "ttt_length", "eval_fraction", "optimizer"):
-                if old.get(k, "adamw") != getattr(args, k):    # runs before --optimizer: adamw
-                    raise UserError(f"--resume: the run used --{k.replace('_', '-')} "
-                                    f"{old.get(k, 'adamw')}, not {getattr(args, k)}")
+                was = old.get(k, "adamw" if k == "optimizer" else None)   # runs before it: adamw
+                if was != getattr(args, k):
+                    raise UserError(f"--resume: the run used --{k.replace('_', '-')} {was}, "
+                                    f"not {getattr(args, k)}")
         st = load_checkpoint(ck[-1], r.module, r.opts, r.scheds, rank, r.world, r.vocab["draft_ids"],
                              same_run)
         start, tokens_seen = st["step"], st["data"].get("tokens", 0)

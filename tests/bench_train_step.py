@@ -107,11 +107,11 @@ def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n):
         if name == "frozen-head":
             d.lm_head.weight.requires_grad_(False)
         m = ttt.TTTLoss(d, a.ttt_length)
+        import train
         params = [(k, q) for k, q in m.named_parameters() if q.requires_grad]
-        mats = [q for k, q in params if name == "muon" and q.ndim == 2 and "lm_head" not in k]
-        opts = [torch.optim.AdamW([q for _, q in params if all(q is not w for w in mats)], lr=1e-4)]
+        mats, rest = train.muon_split(params) if name == "muon" else ([], [q for _, q in params])
+        opts = [torch.optim.AdamW(rest, lr=1e-4)]
         if mats:    # as train.py: Newton-Schulz in fp32 where bf16 is not native
-            import train
             train.muon_in_fp32_here("cpu")
             opts.append(torch.optim.Muon(mats, lr=1e-4, adjust_lr_fn="match_rms_adamw"))
         x = aux if len(c.aux_layer_ids) == 3 else \
