@@ -3,6 +3,7 @@ same held-out set, compared at equal compute.
 
     python results/levers.py run --data DATA --runs RUNS --arms continued/base,scratch/eagle31
     python results/levers.py summary --runs RUNS [--mtbench 8]
+    python results/levers.py replicates --runs RUNS RUNS-seed1 RUNS-seed2 --out replicates.json
 
 Two protocols, because this CPU cannot train a draft from nothing past the early regime per arm:
 - `continued`: every arm starts from the shipped draft (`--init`, 13.85M training tokens already:
@@ -74,12 +75,22 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     "hard-labels": ("the target's argmax as a one-hot label, not its distribution",
                     ["--distill-topk", "1"]),
     "noise": ("Gaussian feature noise, 0.1 x each layer's RMS", ["--feature-noise", "0.1"]),
+    # the optimizer-steps lever: the same tokens in twice the steps. Where data, not arithmetic,
+    # is what this CPU lacks, more updates per token is the cheapest way to learn more from it.
+    # Scratch only (its --max-steps is the scratch protocol's 100 x 8 sequences, in 4s).
+    "batch-4": ("4 sequences a step, 200 steps: the base's tokens in twice the updates",
+                ["--batch-size", "4", "--max-steps", "200"]),
+    "muon-3e-3-batch-4": ("muon-3e-3 with batch-4's 200 steps of 4",
+                          ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "4", "--max-steps", "200"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 
 
-def arm_command(protocol, arm, data, out):
-    flags = []
+def arm_command(protocol, arm, data, out, seed=0, dtype="auto"):
+    """The arm's train.py command. seed: train.py's --seed (init, batch order and the held-out
+    split: the arms of one seed share their held-out set; another seed is a replicate, run into
+    its own --runs so each seed's arms compare with that seed's base)."""
+    flags = ["--seed", str(seed), "--dtype", dtype]
     for f in ARMS[arm][1]:
         if isinstance(f, dict):
             path = os.path.join(out, "draft_config.json")
@@ -125,7 +136,7 @@ def run(args):
                 print(f"{arm}: done already ({out})", file=sys.stderr)
                 continue
             os.makedirs(out, exist_ok=True)
-            cmd = arm_command(proto, arm, args.data, out)
+            cmd = arm_command(proto, arm, args.data, out, args.seed, args.dtype)
             if os.path.isdir(os.path.join(out, "checkpoints")) and os.listdir(os.path.join(out, "checkpoints")):
                 cmd = [c for c in cmd if c not in ("--init", SHIPPED)] + ["--resume"]
             with open(os.path.join(out, "command.txt"), "w") as f:
@@ -245,6 +256,34 @@ def summary(args):
               f"{'-' if at is None else f'{at:.3f}'} | {mt} |")
 
 
+def replicates(args):
+    """The same arms from several seeds (one --runs per seed, `run --seed`): each arm's last
+    held-out replayed accept length per seed, and its paired difference from that seed's base
+    (same held-out split, same batch order): the mean and the range say whether a gain is more
+    than seed noise."""
+    table = {}
+    for runs in args.runs:
+        for name in sorted(os.listdir(runs)):
+            if os.path.exists(os.path.join(runs, name, "log.jsonl")):
+                evals, _ = read_run(os.path.join(runs, name))
+                if evals:
+                    table.setdefault(name, {})[runs] = evals[-1]["replay"]
+    out = {}
+    for name, by_seed in table.items():
+        base = table.get(name.split("-", 1)[0] + "-base", {})
+        diffs = [v - base[r] for r, v in by_seed.items() if r in base]
+        out[name] = {"last_replay": by_seed, "minus_base": diffs,
+                     "mean_minus_base": sum(diffs) / len(diffs) if diffs else None}
+    atomic_write_text(args.out, json.dumps(out, indent=1))
+    print("| arm | last held-out replayed, per --runs | minus that seed's base | mean |")
+    print("|---|---|---|---|")
+    for name, r in out.items():
+        vals = " / ".join(f"{r['last_replay'][k]:.3f}" if k in r["last_replay"] else "-" for k in args.runs)
+        diffs = " / ".join(f"{d:+.3f}" for d in r["minus_base"])
+        mean = "-" if r["mean_minus_base"] is None else f"{r['mean_minus_base']:+.3f}"
+        print(f"| {name} | {vals} | {diffs} | {mean} |")
+
+
 def plot(out, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -277,12 +316,19 @@ def main():
     r.add_argument("--arms", type=lambda s: s.split(","), default=["base"],
                    help="ARM or PROTOCOL/ARM, comma-separated, run in this order")
     r.add_argument("--parallel", type=int, default=2, help="arms at a time (one thread each)")
+    r.add_argument("--seed", type=int, default=0,
+                   help="train.py --seed of every arm (a replicate: give it its own --runs)")
+    r.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="train.py --dtype of every arm (the tables so far: float32)")
     s = sub.add_parser("summary")
     s.add_argument("--runs", required=True)
     s.add_argument("--mtbench", type=int, default=0, metavar="N",
                    help="also decode MT-Bench N x 2 with each arm's last and best draft")
+    p = sub.add_parser("replicates")
+    p.add_argument("--runs", nargs="+", required=True, help="one run directory per seed")
+    p.add_argument("--out", required=True, help="JSON of the per-seed numbers and differences")
     args = ap.parse_args()
-    (run if args.cmd == "run" else summary)(args)
+    {"run": run, "summary": summary, "replicates": replicates}[args.cmd](args)
 
 
 if __name__ == "__main__":

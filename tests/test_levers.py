@@ -176,3 +176,52 @@ def test_levers_five_aux_arm_needs_five_layer_data(tmp_path):
     with pytest.raises(UserError, match=r"scratch/5-aux: needs --data captured at 5 layers .*\[1, 14, 26\]"):
         levers.run(a)
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_levers_seed_and_dtype_reach_every_arm(tmp_path):
+    """levers.py run --seed / --dtype: every arm's train.py gets them (a replicate's arms share
+    that seed's held-out split and batch order), and the default is the tables' seed 0."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "results"))
+    import levers
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1]
+    for arm in ("base", "muon-3e-3", "eagle31"):
+        cmd = levers.arm_command("scratch", arm, "DATA", str(tmp_path / arm), 2, "float32")
+        assert flag(cmd, "--seed") == "2" and flag(cmd, "--dtype") == "float32"
+    cmd = levers.arm_command("scratch", "muon-3e-3", "DATA", str(tmp_path / "m"))
+    assert flag(cmd, "--seed") == "0" and flag(cmd, "--dtype") == "auto"
+    last_lr = len(cmd) - 1 - cmd[::-1].index("--lr")     # argparse: the last one wins
+    assert cmd[last_lr + 1] == "3e-3" and cmd.count("--lr") == 2   # the arm's over the protocol's
+
+
+def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, capsys):
+    """levers.py replicates: an arm's difference is taken from the base of the same --runs (its
+    seed), never across seeds; an arm without that seed's base gets no difference."""
+    import argparse
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "results"))
+    import levers
+
+    def arm(runs, name, last):
+        d = tmp_path / runs / name
+        d.mkdir(parents=True)
+        recs = [{"step": 10, "split": "train", "tokens": 100, "tokens_per_s": 10.0},
+                {"step": 10, "split": "eval", "tokens": 100, "replay_accept_3": last, "acc_j": [0.1]}]
+        (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    arm("s0", "scratch-base", 1.30)
+    arm("s0", "scratch-muon-3e-3", 1.34)
+    arm("s1", "scratch-base", 1.40)
+    arm("s1", "scratch-muon-3e-3", 1.38)
+    arm("s2", "scratch-muon-3e-3", 1.50)           # no base for this seed
+    runs = [str(tmp_path / s) for s in ("s0", "s1", "s2")]
+    out = tmp_path / "rep.json"
+    levers.replicates(argparse.Namespace(runs=runs, out=str(out)))
+    r = json.loads(out.read_text())
+    assert r["scratch-muon-3e-3"]["minus_base"] == pytest.approx([0.04, -0.02])
+    assert r["scratch-muon-3e-3"]["mean_minus_base"] == pytest.approx(0.01)
+    assert r["scratch-base"]["mean_minus_base"] == pytest.approx(0.0)
+    assert "| scratch-muon-3e-3 | 1.340 / 1.380 / 1.500 | +0.040 / -0.020 | +0.010 |" in capsys.readouterr().out
