@@ -82,6 +82,10 @@ ARMS = {   # name -> (what changes, extra train.py flags)
                 ["--batch-size", "4", "--max-steps", "200"]),
     "muon-3e-3-batch-4": ("muon-3e-3 with batch-4's 200 steps of 4",
                           ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "4", "--max-steps", "200"]),
+    "batch-2": ("2 sequences a step, 400 steps: the base's tokens in 4x the updates",
+                ["--batch-size", "2", "--max-steps", "400"]),
+    "muon-3e-3-batch-2": ("muon-3e-3 with batch-2's 400 steps of 2",
+                          ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "2", "--max-steps", "400"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 
