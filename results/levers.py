@@ -265,13 +265,14 @@ def replicates(args):
     held-out replayed accept length per seed, and its paired difference from that seed's base
     (same held-out split, same batch order): the mean and the range say whether a gain is more
     than seed noise."""
-    table = {}
+    table, curves = {}, {}
     for runs in args.runs:
         for name in sorted(os.listdir(runs)):
             if os.path.exists(os.path.join(runs, name, "log.jsonl")):
                 evals, _ = read_run(os.path.join(runs, name))
                 if evals:
                     table.setdefault(name, {})[runs] = evals[-1]["replay"]
+                    curves.setdefault(name, []).append(evals)
     out = {}
     for name, by_seed in table.items():
         base = table.get(name.split("-", 1)[0] + "-base", {})
@@ -279,6 +280,7 @@ def replicates(args):
         out[name] = {"last_replay": by_seed, "minus_base": diffs,
                      "mean_minus_base": sum(diffs) / len(diffs) if diffs else None}
     atomic_write_text(args.out, json.dumps(out, indent=1))
+    plot_replicates(curves, os.path.splitext(args.out)[0] + ".png")
     print("| arm | last held-out replayed, per --runs | minus that seed's base | mean |")
     print("|---|---|---|---|")
     for name, r in out.items():
@@ -286,6 +288,25 @@ def replicates(args):
         diffs = " / ".join(f"{d:+.3f}" for d in r["minus_base"])
         mean = "-" if r["mean_minus_base"] is None else f"{r['mean_minus_base']:+.3f}"
         print(f"| {name} | {vals} | {diffs} | {mean} |")
+
+
+def plot_replicates(curves, path):
+    """Each arm's held-out curve from every seed: one colour an arm, a line a seed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (name, runs), color in zip(curves.items(), plt.cm.tab10.colors * 3):
+        for i, evals in enumerate(runs):
+            ax.plot([e["tokens"] / 1e3 for e in evals], [e["replay"] for e in evals], "-", color=color,
+                    alpha=0.8, lw=1.2, label=f"{name} ({len(runs)} seeds)" if i == 0 else None)
+    ax.set(title="held-out replayed accept length (chain of 3), every seed",
+           xlabel="training tokens (thousands)", ylabel="tokens per round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+    plt.close(fig)
 
 
 def plot(out, path):

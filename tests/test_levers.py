@@ -221,6 +221,7 @@ def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, caps
     out = tmp_path / "rep.json"
     levers.replicates(argparse.Namespace(runs=runs, out=str(out)))
     r = json.loads(out.read_text())
+    assert (tmp_path / "rep.png").stat().st_size > 0          # every seed's curve, one plot
     assert r["scratch-muon-3e-3"]["minus_base"] == pytest.approx([0.04, -0.02])
     assert r["scratch-muon-3e-3"]["mean_minus_base"] == pytest.approx(0.01)
     assert r["scratch-base"]["mean_minus_base"] == pytest.approx(0.0)
