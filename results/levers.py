@@ -261,8 +261,8 @@ def summary(args):
 
 
 def replicates(args):
-    """The same arms from several seeds (one --runs per seed, `run --seed`): each arm's last
-    held-out replayed accept length per seed, and its paired difference from that seed's base
+    """The same arms from several seeds (one --runs per seed, `run --seed`): each finished arm's
+    last held-out replayed accept length per seed, and its paired difference from that seed's base
     (same held-out split, same batch order): the mean and the range say whether a gain is more
     than seed noise."""
     table, curves = {}, {}
@@ -270,7 +270,7 @@ def replicates(args):
         for name in sorted(os.listdir(runs)):
             if os.path.exists(os.path.join(runs, name, "log.jsonl")):
                 evals, _ = read_run(os.path.join(runs, name))
-                if evals:
+                if evals and done(os.path.join(runs, name)):     # a run still going is left out
                     table.setdefault(name, {})[runs] = evals[-1]["replay"]
                     curves.setdefault(name, []).append(evals)
     out = {}

@@ -199,20 +199,23 @@ def test_levers_seed_and_dtype_reach_every_arm(tmp_path):
 
 def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, capsys):
     """levers.py replicates: an arm's difference is taken from the base of the same --runs (its
-    seed), never across seeds; an arm without that seed's base gets no difference."""
+    seed), never across seeds; an arm without that seed's base gets no difference; a run that has
+    not reached its last step is not counted."""
     import argparse
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "results"))
     import levers
 
-    def arm(runs, name, last):
+    def arm(runs, name, last, total=10):
         d = tmp_path / runs / name
         d.mkdir(parents=True)
         recs = [{"step": 10, "split": "train", "tokens": 100, "tokens_per_s": 10.0},
                 {"step": 10, "split": "eval", "tokens": 100, "replay_accept_3": last, "acc_j": [0.1]}]
         (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (d / "args.json").write_text(json.dumps({"total_steps": total}))
     arm("s0", "scratch-base", 1.30)
+    arm("s0", "scratch-batch-4", 1.90, total=20)   # still going: not a result yet
     arm("s0", "scratch-muon-3e-3", 1.34)
     arm("s1", "scratch-base", 1.40)
     arm("s1", "scratch-muon-3e-3", 1.38)
@@ -225,4 +228,5 @@ def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, caps
     assert r["scratch-muon-3e-3"]["minus_base"] == pytest.approx([0.04, -0.02])
     assert r["scratch-muon-3e-3"]["mean_minus_base"] == pytest.approx(0.01)
     assert r["scratch-base"]["mean_minus_base"] == pytest.approx(0.0)
+    assert "scratch-batch-4" not in r
     assert "| scratch-muon-3e-3 | 1.340 / 1.380 / 1.500 | +0.040 / -0.020 | +0.010 |" in capsys.readouterr().out
