@@ -171,14 +171,15 @@ def read_run(out):
     return evals, sorted(tps)[len(tps) // 2] if tps else None
 
 
-def at_seconds(evals, s):
-    """Replayed accept length at s training seconds, linear between evals (None past the end)."""
+def at_seconds(evals, s, key="seconds"):
+    """Replayed accept length at s training seconds (or at s of another eval field, key="tokens"),
+    linear between evals (None past the end)."""
     for a, b in zip(evals, evals[1:]):
-        if a["seconds"] <= s <= b["seconds"]:
-            w = (s - a["seconds"]) / max(b["seconds"] - a["seconds"], 1e-9)
+        if a[key] <= s <= b[key]:
+            w = (s - a[key]) / max(b[key] - a[key], 1e-9)
             return a["replay"] + w * (b["replay"] - a["replay"])
-    # an arm that finished its steps in less time than s: its last eval (it never had more)
-    return evals[-1]["replay"] if evals and evals[-1]["seconds"] <= s else None
+    # an arm that finished its steps in less than s: its last eval (it never had more)
+    return evals[-1]["replay"] if evals and evals[-1][key] <= s else None
 
 
 def mtbench(drafts, n, cache, target="default", save=None):
@@ -263,25 +264,30 @@ def summary(args):
 def replicates(args):
     """The same arms from several seeds (one --runs per seed, `run --seed`): each finished arm's
     last held-out replayed accept length per seed, and its paired difference from that seed's base
-    (same held-out split, same batch order): the mean and the range say whether a gain is more
-    than seed noise."""
+    (same held-out split) at the base's training tokens: the mean and the range say whether a
+    gain is more than seed noise."""
     table, curves = {}, {}
     for runs in args.runs:
         for name in sorted(os.listdir(runs)):
             if os.path.exists(os.path.join(runs, name, "log.jsonl")):
                 evals, _ = read_run(os.path.join(runs, name))
                 if evals and done(os.path.join(runs, name)):     # a run still going is left out
-                    table.setdefault(name, {})[runs] = evals[-1]["replay"]
+                    table.setdefault(name, {})[runs] = evals
                     curves.setdefault(name, []).append(evals)
     out = {}
     for name, by_seed in table.items():
         base = table.get(name.split("-", 1)[0] + "-base", {})
-        diffs = [v - base[r] for r, v in by_seed.items() if r in base]
-        out[name] = {"last_replay": by_seed, "minus_base": diffs,
+        # the arm at its seed's base's last token count: whole batches make the totals differ by
+        # a few percent between batch sizes, and at equal tokens means equal tokens
+        at_base = {r: at_seconds(e, base[r][-1]["tokens"], "tokens") for r, e in by_seed.items() if r in base}
+        diffs = [v - base[r][-1]["replay"] for r, v in at_base.items() if v is not None]
+        out[name] = {"last_replay": {r: e[-1]["replay"] for r, e in by_seed.items()},
+                     "last_tokens": {r: e[-1]["tokens"] for r, e in by_seed.items()},
+                     "at_base_tokens": at_base, "minus_base": diffs,
                      "mean_minus_base": sum(diffs) / len(diffs) if diffs else None}
     atomic_write_text(args.out, json.dumps(out, indent=1))
     plot_replicates(curves, os.path.splitext(args.out)[0] + ".png")
-    print("| arm | last held-out replayed, per --runs | minus that seed's base | mean |")
+    print("| arm | last held-out replayed, per --runs | at the base's tokens, minus that seed's base | mean |")
     print("|---|---|---|---|")
     for name, r in out.items():
         vals = " / ".join(f"{r['last_replay'][k]:.3f}" if k in r["last_replay"] else "-" for k in args.runs)

@@ -207,16 +207,20 @@ def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, caps
                                     "results"))
     import levers
 
-    def arm(runs, name, last, total=10):
+    def arm(runs, name, last, total=10, more=None):
         d = tmp_path / runs / name
         d.mkdir(parents=True)
         recs = [{"step": 10, "split": "train", "tokens": 100, "tokens_per_s": 10.0},
                 {"step": 10, "split": "eval", "tokens": 100, "replay_accept_3": last, "acc_j": [0.1]}]
+        if more:     # (tokens, replayed) of a later eval: an arm that saw more tokens than its base
+            recs += [{"step": 20, "split": "train", "tokens": more[0], "tokens_per_s": 10.0},
+                     {"step": 20, "split": "eval", "tokens": more[0], "replay_accept_3": more[1],
+                      "acc_j": [0.1]}]
         (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         (d / "args.json").write_text(json.dumps({"total_steps": total}))
     arm("s0", "scratch-base", 1.30)
     arm("s0", "scratch-batch-4", 1.90, total=20)   # still going: not a result yet
-    arm("s0", "scratch-muon-3e-3", 1.34)
+    arm("s0", "scratch-muon-3e-3", 1.20, total=20, more=(300, 1.44))   # at 100 tokens: 1.20
     arm("s1", "scratch-base", 1.40)
     arm("s1", "scratch-muon-3e-3", 1.38)
     arm("s2", "scratch-muon-3e-3", 1.50)           # no base for this seed
@@ -225,8 +229,10 @@ def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, caps
     levers.replicates(argparse.Namespace(runs=runs, out=str(out)))
     r = json.loads(out.read_text())
     assert (tmp_path / "rep.png").stat().st_size > 0          # every seed's curve, one plot
-    assert r["scratch-muon-3e-3"]["minus_base"] == pytest.approx([0.04, -0.02])
-    assert r["scratch-muon-3e-3"]["mean_minus_base"] == pytest.approx(0.01)
+    # compared at the base's 100 tokens (interpolated for s0's 300-token arm), not at its end
+    assert r["scratch-muon-3e-3"]["minus_base"] == pytest.approx([-0.10, -0.02])
+    assert r["scratch-muon-3e-3"]["mean_minus_base"] == pytest.approx(-0.06)
+    assert r["scratch-muon-3e-3"]["last_replay"][runs[0]] == pytest.approx(1.44)
     assert r["scratch-base"]["mean_minus_base"] == pytest.approx(0.0)
     assert "scratch-batch-4" not in r
-    assert "| scratch-muon-3e-3 | 1.340 / 1.380 / 1.500 | +0.040 / -0.020 | +0.010 |" in capsys.readouterr().out
+    assert "| scratch-muon-3e-3 | 1.440 / 1.380 / 1.500 | -0.100 / -0.020 | -0.060 |" in capsys.readouterr().out
