@@ -268,12 +268,16 @@ def replicates(args):
     gain is more than seed noise."""
     table, curves = {}, {}
     for runs in args.runs:
+        if not os.path.isdir(runs):
+            raise UserError(f"--runs {runs}: no such directory (one levers.py run --runs per seed)")
         for name in sorted(os.listdir(runs)):
             if os.path.exists(os.path.join(runs, name, "log.jsonl")):
                 evals, _ = read_run(os.path.join(runs, name))
                 if evals and done(os.path.join(runs, name)):     # a run still going is left out
                     table.setdefault(name, {})[runs] = evals
                     curves.setdefault(name, []).append(evals)
+    if not table:
+        raise UserError(f"--runs {' '.join(args.runs)}: no finished arm (a log.jsonl at its last step)")
     out = {}
     for name, by_seed in table.items():
         base = table.get(name.split("-", 1)[0] + "-base", {})
@@ -350,7 +354,8 @@ def main():
     r.add_argument("--seed", type=int, default=0,
                    help="train.py --seed of every arm (a replicate: give it its own --runs)")
     r.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="train.py --dtype of every arm (the tables so far: float32)")
+                   help="train.py --dtype of every arm (auto: bf16 where native; the first "
+                        "table ran fp32 on an AVX2 CPU, session 13's bf16 on an AMX one)")
     s = sub.add_parser("summary")
     s.add_argument("--runs", required=True)
     s.add_argument("--mtbench", type=int, default=0, metavar="N",

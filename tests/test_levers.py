@@ -236,3 +236,10 @@ def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, caps
     assert r["scratch-base"]["mean_minus_base"] == pytest.approx(0.0)
     assert "scratch-batch-4" not in r
     assert "| scratch-muon-3e-3 | 1.440 / 1.380 / 1.500 | -0.100 / -0.020 | -0.060 |" in capsys.readouterr().out
+    from common import UserError
+    with pytest.raises(UserError, match=r"--runs .*nope: no such directory"):
+        levers.replicates(argparse.Namespace(runs=[runs[0], str(tmp_path / "nope")], out=str(out)))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no finished arm"):
+        levers.replicates(argparse.Namespace(runs=[str(tmp_path / "empty")], out=str(tmp_path / "e.json")))
+    assert not (tmp_path / "e.json").exists()
