@@ -266,7 +266,7 @@ def replicates(args):
     last held-out replayed accept length per seed, and its paired difference from that seed's base
     (same held-out split) at the base's training tokens: the mean and the range say whether a
     gain is more than seed noise."""
-    table, curves = {}, {}
+    table = {}      # arm -> {runs: evals}
     for runs in args.runs:
         if not os.path.isdir(runs):
             raise UserError(f"--runs {runs}: no such directory (one levers.py run --runs per seed)")
@@ -275,7 +275,6 @@ def replicates(args):
                 evals, _ = read_run(os.path.join(runs, name))
                 if evals and done(os.path.join(runs, name)):     # a run still going is left out
                     table.setdefault(name, {})[runs] = evals
-                    curves.setdefault(name, []).append(evals)
     if not table:
         raise UserError(f"--runs {' '.join(args.runs)}: no finished arm (a log.jsonl at its last step)")
     out = {}
@@ -290,7 +289,8 @@ def replicates(args):
                      "at_base_tokens": at_base, "minus_base": diffs,
                      "mean_minus_base": sum(diffs) / len(diffs) if diffs else None}
     atomic_write_text(args.out, json.dumps(out, indent=1))
-    plot_replicates(curves, os.path.splitext(args.out)[0] + ".png")
+    plot_replicates({name: list(by_seed.values()) for name, by_seed in table.items()},
+                    os.path.splitext(args.out)[0] + ".png")
     print("| arm | last held-out replayed, per --runs | at the base's tokens, minus that seed's base | mean |")
     print("|---|---|---|---|")
     for name, r in out.items():
