@@ -46,7 +46,11 @@ PROTOCOLS = {
     "continued": ["--init", SHIPPED, "--lr", "1e-4", "--epochs", "2", "--eval-every", "10"],
     # the recipe's flags from nothing (README, Recipe ablations' arm B)
     "scratch": ["--lr", "1e-3", "--max-steps", "100", "--eval-every", "10"],
+    # scratch for 3x the tokens (~7 epochs over the lever data): does a lever's gain outlast the
+    # early regime, or does the base catch up once it has seen the data as often as it can use?
+    "long": ["--lr", "1e-3", "--max-steps", "300", "--eval-every", "30"],
 }
+STEP_SCALE = {"long": 3}   # an arm's own --max-steps / --eval-every are written for scratch's 100
 ARMS = {   # name -> (what changes, extra train.py flags)
     "base": ("the recipe as it is", []),
     "chain": ("step j's loss only on rows whose steps 0..j-1 were right", ["--ttt-loss-rows", "chain"]),
@@ -86,6 +90,12 @@ ARMS = {   # name -> (what changes, extra train.py flags)
                 ["--batch-size", "2", "--max-steps", "400"]),
     "muon-3e-3-batch-2": ("muon-3e-3 with batch-2's 400 steps of 2",
                           ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "2", "--max-steps", "400"]),
+    # one sequence a step: the end of the 8 -> 4 -> 2 trend (evals every 20 sequences, as batch-2's)
+    "batch-1": ("1 sequence a step, 800 steps: the base's tokens in 8x the updates",
+                ["--batch-size", "1", "--max-steps", "800", "--eval-every", "20"]),
+    "muon-3e-3-batch-1": ("muon-3e-3 with batch-1's 800 steps of 1",
+                          ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "1", "--max-steps", "800",
+                           "--eval-every", "20"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 
@@ -94,12 +104,14 @@ def arm_command(protocol, arm, data, out, seed=0, dtype="auto"):
     """The arm's train.py command. seed: train.py's --seed (init, batch order and the held-out
     split: the arms of one seed share their held-out set; another seed is a replicate, run into
     its own --runs so each seed's arms compare with that seed's base)."""
-    flags = ["--seed", str(seed), "--dtype", dtype]
+    flags, scale = ["--seed", str(seed), "--dtype", dtype], STEP_SCALE.get(protocol, 1)
     for f in ARMS[arm][1]:
         if isinstance(f, dict):
             path = os.path.join(out, "draft_config.json")
             atomic_write_text(path, json.dumps(f) + "\n")
             f = ["--draft-config", path]
+        elif flags[-1] in ("--max-steps", "--eval-every"):
+            f = str(int(f) * scale)        # the same multiple of the protocol's tokens
         flags += f if isinstance(f, list) else [f]
     return [sys.executable, os.path.join(ROOT, "train.py"), "--data", data, "--out", out,
             *COMMON, *PROTOCOLS[protocol], *flags]

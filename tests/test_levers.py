@@ -195,6 +195,12 @@ def test_levers_seed_and_dtype_reach_every_arm(tmp_path):
     assert flag(cmd, "--seed") == "0" and flag(cmd, "--dtype") == "auto"
     last_lr = len(cmd) - 1 - cmd[::-1].index("--lr")     # argparse: the last one wins
     assert cmd[last_lr + 1] == "3e-3" and cmd.count("--lr") == 2   # the arm's over the protocol's
+    # long: 3x scratch's tokens, so an arm's own steps (and eval spacing) scale with it
+    cmd = levers.arm_command("long", "muon-3e-3-batch-1", "DATA", str(tmp_path / "l"))
+    last = lambda name: cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]
+    assert last("--max-steps") == "2400" and last("--eval-every") == "60" and last("--batch-size") == "1"
+    cmd = levers.arm_command("long", "base", "DATA", str(tmp_path / "b"))
+    assert last("--max-steps") == "300" and cmd.count("--max-steps") == 1
 
 
 def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, capsys):
