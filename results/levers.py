@@ -90,6 +90,11 @@ ARMS = {   # name -> (what changes, extra train.py flags)
                 ["--batch-size", "2", "--max-steps", "400"]),
     "muon-3e-3-batch-2": ("muon-3e-3 with batch-2's 400 steps of 2",
                           ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "2", "--max-steps", "400"]),
+    # Muon's lr was chosen at 8 sequences a step (3e-3 over 1e-3); at 2 a step, half and twice it
+    "muon-1.5e-3-batch-2": ("muon-3e-3-batch-2 at half the lr",
+                            ["--optimizer", "muon", "--lr", "1.5e-3", "--batch-size", "2", "--max-steps", "400"]),
+    "muon-6e-3-batch-2": ("muon-3e-3-batch-2 at twice the lr",
+                          ["--optimizer", "muon", "--lr", "6e-3", "--batch-size", "2", "--max-steps", "400"]),
     # one sequence a step: the end of the 8 -> 4 -> 2 trend (evals every 20 sequences, as batch-2's)
     "batch-1": ("1 sequence a step, 800 steps: the base's tokens in 8x the updates",
                 ["--batch-size", "1", "--max-steps", "800", "--eval-every", "20"]),
