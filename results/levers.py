@@ -46,11 +46,20 @@ PROTOCOLS = {
     "continued": ["--init", SHIPPED, "--lr", "1e-4", "--epochs", "2", "--eval-every", "10"],
     # the recipe's flags from nothing (README, Recipe ablations' arm B)
     "scratch": ["--lr", "1e-3", "--max-steps", "100", "--eval-every", "10"],
-    # scratch for 3x the tokens (~7 epochs over the lever data): does a lever's gain outlast the
-    # early regime, or does the base catch up once it has seen the data as often as it can use?
-    "long": ["--lr", "1e-3", "--max-steps", "300", "--eval-every", "30"],
 }
-STEP_SCALE = {"long": 3}   # an arm's own --max-steps / --eval-every are written for scratch's 100
+
+
+def scaled(flags, k):
+    """flags with every --max-steps / --eval-every value times k (the same multiple of tokens)."""
+    return [str(int(f) * k) if i and flags[i - 1] in ("--max-steps", "--eval-every") else f
+            for i, f in enumerate(flags)]
+
+
+# scratch for 3x the tokens (~7 epochs over the lever data): does a lever's gain outlast the early
+# regime, or does the base catch up once it has seen the data as often as it can use? An arm's own
+# --max-steps / --eval-every are written for scratch's 100 steps, so they scale with it.
+STEP_SCALE = {"long": 3}
+PROTOCOLS["long"] = scaled(PROTOCOLS["scratch"], STEP_SCALE["long"])
 ARMS = {   # name -> (what changes, extra train.py flags)
     "base": ("the recipe as it is", []),
     "chain": ("step j's loss only on rows whose steps 0..j-1 were right", ["--ttt-loss-rows", "chain"]),
@@ -109,14 +118,12 @@ def arm_command(protocol, arm, data, out, seed=0, dtype="auto"):
     """The arm's train.py command. seed: train.py's --seed (init, batch order and the held-out
     split: the arms of one seed share their held-out set; another seed is a replicate, run into
     its own --runs so each seed's arms compare with that seed's base)."""
-    flags, scale = ["--seed", str(seed), "--dtype", dtype], STEP_SCALE.get(protocol, 1)
-    for f in ARMS[arm][1]:
+    flags = ["--seed", str(seed), "--dtype", dtype]
+    for f in scaled(ARMS[arm][1], STEP_SCALE.get(protocol, 1)):
         if isinstance(f, dict):
             path = os.path.join(out, "draft_config.json")
             atomic_write_text(path, json.dumps(f) + "\n")
             f = ["--draft-config", path]
-        elif flags[-1] in ("--max-steps", "--eval-every"):
-            f = str(int(f) * scale)        # the same multiple of the protocol's tokens
         flags += f if isinstance(f, list) else [f]
     return [sys.executable, os.path.join(ROOT, "train.py"), "--data", data, "--out", out,
             *COMMON, *PROTOCOLS[protocol], *flags]
