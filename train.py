@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from common import UserError, run_main
 from hidden import Offline, Online
-from train_data import (batch_indices, check_data, collate, eval_batches_for, rank_share, read_data,
-                        split_data)
+from train_data import (batch_indices, check_data, collate, eval_batches_for, loss_positions,
+                        rank_share, read_data, split_data)
 from rundir import (best_so_far, list_checkpoints, load_checkpoint, save_best, save_checkpoint,
                     truncate_log, write_eval_prompts, write_plots)
-from ttt import (TTTLoss, metrics, noisy_features, replay_decoding, shift_left, target_side,
+from ttt import (LOSS_DECAY, TTTLoss, metrics, noisy_features, replay_decoding, shift_left, target_side,
                  top_k_labels, valid_rows)
 
 
@@ -174,6 +174,12 @@ def parse_args(argv=None):
     ap.add_argument("--ttt-loss-rows", default="all", choices=["all", "chain"],
                     help="all: every valid row at every TTT step; chain: step j only on rows whose "
                          "steps 0..j-1 were right, the rows a greedy chain reaches (GRIFFIN-style)")
+    ap.add_argument("--loss-positions", default="assistant", choices=["assistant", "all"],
+                    help="training only: which positions the TTT loss reads. assistant: the "
+                    "answers (the loss mask); all: every real token, prompts too, each labelled "
+                    "by the target's own distribution there (the held-out eval stays assistant)")
+    ap.add_argument("--ttt-decay", type=float, default=LOSS_DECAY, metavar="D",
+                    help="TTT step j's loss weighs D**j (the reported loss keeps 0.8**j)")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                     help="muon: torch.optim.Muon on the 2D weight matrices (fc, attention, MLP), "
                     "AdamW on the rest (lm_head, norms), both at --lr")
@@ -242,6 +248,8 @@ def check_args(a):
         raise UserError(f"--accept-loss {a.accept_loss}: expected >= 0")
     if not a.feature_noise >= 0 or not math.isfinite(a.feature_noise):
         raise UserError(f"--feature-noise {a.feature_noise}: expected >= 0")
+    if not 0 < a.ttt_decay <= 1:
+        raise UserError(f"--ttt-decay {a.ttt_decay}: expected in (0, 1]")
     if a.distill_topk < 0:
         raise UserError(f"--distill-topk {a.distill_topk}: expected >= 1 (or 0: off)")
     if not a.lr > 0 or not math.isfinite(a.lr):
@@ -391,7 +399,7 @@ def build_optimizer(r):
     from torch.distributed.fsdp import fully_shard
     args = r.args
     r.module = TTTLoss(r.draft.to(r.device), args.ttt_length, args.accept_loss,
-                       chain_rows=args.ttt_loss_rows == "chain")
+                       chain_rows=args.ttt_loss_rows == "chain", decay=args.ttt_decay)
     fully_shard(r.module, mesh=init_device_mesh(r.device.split(":")[0], (r.world,)))
     named = [(n, p) for n, p in r.module.named_parameters() if p.requires_grad]
     r.params = [p for _, p in named]
@@ -431,8 +439,11 @@ def open_run_dir(r):
                             f"{getattr(saved, diff[0])}, now {getattr(r.cfg, diff[0])}): resume "
                             f"with the run's --draft-config")
         def same_run(old):    # before any state is loaded: another optimizer's would not fit
-            for k in ("batch_size", "seed", "ttt_length", "eval_fraction", "optimizer"):
-                was = old.get(k, "adamw" if k == "optimizer" else None)   # runs before it: adamw
+            before = {"optimizer": "adamw", "loss_positions": "assistant",   # runs before them
+                      "ttt_decay": LOSS_DECAY}
+            for k in ("batch_size", "seed", "ttt_length", "eval_fraction", "optimizer",
+                      "loss_positions", "ttt_decay"):
+                was = old.get(k, before.get(k))
                 if was != getattr(args, k):
                     raise UserError(f"--resume: the run used --{k.replace('_', '-')} {was}, "
                                     f"not {getattr(args, k)}")
@@ -490,6 +501,13 @@ def prepare(r, key, idx):
     hidden = (r.source.get_ids(idx) if r.args.offline else
               r.eval_cache[key] if key[0] == "eval" else r.source.get(key))
     ids, mask, aux, final = collate(seqs, idx, hidden, r.device)
+    # --loss-positions all (training only): every real token is a loss position, prompt rows
+    # included. The label at any position is the target's own next-token distribution there,
+    # so prompt rows are as well supervised as answer rows, and their draft forward is already
+    # paid for (the unroll runs over the whole sequence); `mask` itself stays the answers, for
+    # the replayed accept length.
+    loss_mask = mask if key[0] == "eval" else loss_positions(
+        mask, [len(seqs[k]["input_ids"]) for k in idx], r.args.loss_positions)
     known = None
     if all(k in r.in_vocab_seen for k in idx):
         known = torch.zeros_like(mask)
@@ -498,12 +516,12 @@ def prepare(r, key, idx):
     with r.autocast:
         # the target at p is needed only where x[p+1] is a loss token (valid_rows)
         targ_p, targ_argmax, in_vocab = target_side(final, r.lm_w_draft,
-                                                    need=shift_left(mask, 1, False),
+                                                    need=shift_left(loss_mask, 1, False),
                                                     in_vocab=known, lm_w=r.lm_w, t2d=r.t2d)
     if known is None:
         for b, k in enumerate(idx):
             r.in_vocab_seen[k] = in_vocab[b, :len(seqs[k]["input_ids"])].clone()
-    valid = valid_rows(mask, in_vocab, r.args.ttt_length)
+    valid = valid_rows(loss_mask, in_vocab, r.args.ttt_length)
     if key[0] == "train" and r.args.distill_topk:     # the held-out loss keeps the full label
         targ_p = top_k_labels(targ_p, r.args.distill_topk)
     if key[0] == "train" and r.args.feature_noise:    # seeded by step: resume draws the same

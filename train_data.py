@@ -146,3 +146,13 @@ def collate(seqs, idx, hidden, device):
         aux[b, :n] = a.float()
         final[b, :n] = f.float()
     return ids.to(device), mask.to(device), aux.to(device), final.to(device)
+
+
+def loss_positions(mask, lengths, which):
+    """The positions the TTT loss reads (train.py --loss-positions): `assistant`, the loss mask
+    [B, T] as it is; `all`, every real token of each sequence (its first lengths[b] positions),
+    padding never."""
+    if which == "assistant":
+        return mask
+    n = torch.tensor(lengths, device=mask.device)
+    return torch.arange(mask.shape[1], device=mask.device)[None] < n[:, None]

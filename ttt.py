@@ -13,8 +13,9 @@ For one sequence x_0 .. x_{T-1} with target features h_t (three target layers, c
   exactly what the draft's KV cache holds when it drafts j tokens past row t at decode time.
 
   loss = sum_j 0.8**j * mean over valid rows of  -sum_v p_j[t, v] log q_j[t, v]
-  valid_j[t]: x_{t+j+2} is a loss token (assistant) and argmax of the target at t+j+1 is in the
-              draft vocab (the draft could never propose it otherwise)
+  valid_j[t]: x_{t+j+2} is a loss token (assistant; any real token with train.py
+              --loss-positions all) and argmax of the target at t+j+1 is in the draft vocab
+              (the draft could never propose it otherwise)
   acc_j: share of valid rows where argmax q_j == argmax p_j
   simulated accept length of a chain of k drafts: 1 + sum_{m<k} prod_{i<=m} acc_i
   replayed accept length: greedy chain decoding (3 drafts) replayed over the rows, see
@@ -160,9 +161,10 @@ class TTTLoss(nn.Module):
     """The unit FSDP2 shards: its forward is one TTT unroll and its loss, so FSDP's hooks gather
     the draft's parameters around exactly this computation and reduce-scatter its gradients."""
 
-    def __init__(self, draft, ttt_length, accept_weight=0.0, chain_rows=False):
+    def __init__(self, draft, ttt_length, accept_weight=0.0, chain_rows=False, decay=LOSS_DECAY):
         super().__init__()
         self.draft, self.J, self.accept_weight = draft, ttt_length, accept_weight
+        self.decay = decay      # step j weighs decay**j (train.py --ttt-decay)
         # chain_rows (train.py --ttt-loss-rows chain, GRIFFIN-style): step j's loss only on rows
         # whose steps 0..j-1 were right, the only rows where a greedy chain ever uses step j.
         # Still divided by all valid rows, so a step weighs as much as the chains that reach it.
@@ -196,7 +198,7 @@ class TTTLoss(nn.Module):
             if self.chain_rows and j > 0:          # rows whose steps 0..j-1 all matched
                 obj = obj * correct[:j, rows].all(0)
             obj = obj.sum()
-            loss = loss + LOSS_DECAY ** j * obj / denom[j].clamp_min(1) * scale
+            loss = loss + self.decay ** j * obj / denom[j].clamp_min(1) * scale
             ok = lg.argmax(-1) == targ_argmax[rows + j + 1]
             correct[j, rows] = ok
             stats[0, j] = ce_sum.detach()

@@ -110,6 +110,17 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     "muon-3e-3-batch-1": ("muon-3e-3 with batch-1's 800 steps of 1",
                           ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "1", "--max-steps", "800",
                            "--eval-every", "20"]),
+    # session 15: the loss's rows and weights. Prompt rows join the loss (the target labels every
+    # position, and the draft's forward over them is paid already: equal compute, ~27% more rows
+    # on this data); and TTT step j's weight, 0.8**j today (speculators' default is 1.0**j).
+    "all-positions": ("the TTT loss on every real token, prompts too (labels: the target's)",
+                      ["--loss-positions", "all"]),
+    "decay-1": ("every TTT step weighs 1 (speculators' default), not 0.8**j", ["--ttt-decay", "1.0"]),
+    "decay-0.5": ("TTT step j weighs 0.5**j, not 0.8**j: the first draft step counts most",
+                  ["--ttt-decay", "0.5"]),
+    "muon-3e-3-batch-2-all": ("muon-3e-3-batch-2 with the loss on every real token",
+                              ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "2", "--max-steps", "400",
+                               "--loss-positions", "all"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 

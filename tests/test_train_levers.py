@@ -1,13 +1,15 @@
 """train.py's training-procedure levers (issue 23): --optimizer muon, --feature-noise,
---distill-topk. Each is checked for its math and for reaching the training step, and only it:
+--distill-topk, --loss-positions, --ttt-decay. Each is checked for its math and for reaching the training step, and only it:
 the held-out eval must not see the noise or the cut labels. Resume with all three on is
 test_train.py's Ctrl-C test. Tiny random targets, fp32."""
 import os
 
 import torch
 
-from test_train import FP32, data_dir, expect_error, final_state, read_log, run_train, target_dir  # noqa: F401
+from test_train import (FP32, V, VD, data_dir, expect_error, final_state, read_log, run_train,  # noqa: F401
+                        target_dir, tiny_draft)
 import ttt
+from train_data import loss_positions
 
 
 def test_top_k_labels():
@@ -37,6 +39,37 @@ def test_noisy_features_scale_with_each_layer():
     assert torch.allclose(std, 0.1 * scales, rtol=0.03), std
     assert torch.equal(out[:, 250:], aux[:, 250:])
     assert torch.equal(out, ttt.noisy_features(aux, 3, 0.1, torch.Generator().manual_seed(1)))
+
+
+def test_loss_positions():
+    """assistant: the loss mask as it is; all: every real token (prompt rows too), padding never."""
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(loss_positions(mask, [5, 3], "assistant"), mask)
+    assert loss_positions(mask, [5, 3], "all").tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]
+
+
+def test_ttt_decay_weighs_step_j_by_decay_to_the_j():
+    """TTTLoss(decay=D): loss = sum_j D**j * CE_j / rows_j, from the same statistics for every D
+    (the statistics do not depend on the weights); the default is 0.8."""
+    draft = tiny_draft()
+    B, T, J = 2, 9, 3
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
+    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
+    valid = torch.ones(J, B, T, dtype=torch.bool)
+    for j in range(J):
+        valid[j, :, T - j - 2:] = False
+    denom = valid.sum((1, 2)).float()
+    args = (ids, aux, targ_p, targ_p.argmax(-1), valid, denom, 1.0)
+    with torch.no_grad():
+        base, st, _ = ttt.TTTLoss(draft, J)(*args)
+        for d in (0.8, 0.5, 1.0):
+            loss, st_d, _ = ttt.TTTLoss(draft, J, decay=d)(*args)
+            assert torch.equal(st_d, st)
+            want = sum(d ** j * st[0, j] / denom[j] for j in range(J))
+            assert abs(loss.item() - want.item()) < 1e-5, (d, loss, want)
+        assert abs(base.item() - sum(0.8 ** j * st[0, j] / denom[j] for j in range(J)).item()) < 1e-5
 
 
 def one_step(data, out, lr, *flags, steps=1):
@@ -74,19 +107,30 @@ def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
     init = os.path.join(start, "checkpoints", "step-000004")
     runs = {}
     for name, flags in {"plain": [], "noise": ["--feature-noise", "0.2"],
-                        "top1": ["--distill-topk", "1"]}.items():
+                        "top1": ["--distill-topk", "1"], "all": ["--loss-positions", "all"],
+                        "decay": ["--ttt-decay", "0.5"]}.items():
         out = str(tmp_path / name)
-        runs[name] = (one_step(data_dir, out, "1e-3", "--init", init, "--eval-every", "100", *flags,
-                               steps=2), read_log(out, "eval"))
-    plain_w, plain_ev = runs["plain"]
-    for name in ("noise", "top1"):
-        w, ev = runs[name]
+        runs[name] = (one_step(data_dir, out, "1e-3", "--init", init, "--eval-every", "100",
+                               "--log-every", "1", *flags, steps=2),
+                      read_log(out, "eval"), read_log(out))
+    plain_w, plain_ev, plain_tr = runs["plain"]
+    for name in ("noise", "top1", "all", "decay"):
+        w, ev, tr = runs[name]
         assert ev[0]["step"] == 0 and ev[0] == plain_ev[0], name
+        assert ev[-1]["rows"] == plain_ev[-1]["rows"], name          # the eval's rows: answers only
         assert any(not torch.equal(w[k], plain_w[k]) for k in w), name
+    # prompt rows join the training loss: more rows than the answers alone, at every step (the
+    # fixture's prompts are short, 2..T/2 tokens; which rows, exactly: test_loss_positions)
+    assert len(plain_tr) == 2
+    for a, p in zip(runs["all"][2], plain_tr):
+        assert a["rows"] > p["rows"], (a["rows"], p["rows"])
+    assert [t["rows"] for t in runs["decay"][2]] == [t["rows"] for t in plain_tr]
     expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--feature-noise", "-1"],
                  "--feature-noise -1.0: expected >= 0")
     expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--distill-topk", "-2"],
                  "--distill-topk -2: expected >= 1")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--ttt-decay", "0"],
+                 "--ttt-decay 0.0: expected in (0, 1]")
 
 
 def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():
@@ -120,3 +164,5 @@ def test_resume_refuses_another_optimizer(tmp_path, data_dir):
     run_train(common + ["--max-steps", "2"] + FP32)
     expect_error(common + ["--max-steps", "4", "--resume", "--optimizer", "muon"],
                  "--resume: the run used --optimizer adamw, not muon")
+    expect_error(common + ["--max-steps", "4", "--resume", "--loss-positions", "all"],
+                 "--resume: the run used --loss-positions assistant, not all")
