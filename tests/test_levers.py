@@ -249,3 +249,28 @@ def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, caps
     with pytest.raises(UserError, match="no finished arm"):
         levers.replicates(argparse.Namespace(runs=[str(tmp_path / "empty")], out=str(tmp_path / "e.json")))
     assert not (tmp_path / "e.json").exists()
+
+
+def test_every_arm_is_a_valid_train_command(tmp_path):
+    """Each arm's command parses and passes train.py's own checks (a misspelt flag or
+    value in ARMS would otherwise surface only as a failed run an hour in), and carries its
+    arm's flags."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "results"))
+    import levers
+    import train
+    for arm, (_, flags) in levers.ARMS.items():
+        protocol = "continued" if arm == "frozen-head" else "scratch"   # it freezes a trained head
+        cmd = levers.arm_command(protocol, arm, "DATA", str(tmp_path / arm))
+        args = train.parse_args(cmd[2:])
+        train.check_args(args)
+        plain = [f for f in flags if isinstance(f, str)]
+        for name, value in zip(plain, plain[1:]):
+            if name.startswith("--") and not value.startswith("--"):
+                dest = name[2:].replace("-", "_")
+                assert str(getattr(args, dest)) == value or float(getattr(args, dest)) == float(value), (arm, name)
+    a = train.parse_args(levers.arm_command("scratch", "all-positions", "DATA", str(tmp_path / "x"))[2:])
+    assert a.loss_positions == "all" and a.ttt_decay == 0.8
+    a = train.parse_args(levers.arm_command("scratch", "decay-0.5", "DATA", str(tmp_path / "y"))[2:])
+    assert a.loss_positions == "assistant" and a.ttt_decay == 0.5
