@@ -30,7 +30,8 @@ from common import resolve_dtype  # noqa: E402
 VARIANTS = {"base": {}, "frozen-head": {}, "2-layers": {"num_hidden_layers": 2},
             "eagle31": {"fc_norm": True, "norm_output": True},
             "5-aux": {"aux_layer_ids": [1, 7, 14, 20, 26]},    # fc reads 5 x H, not 3 x H
-            "muon": {}}                  # the optimizer: train.py --optimizer muon's two groups
+            "muon": {},                  # the optimizer: train.py --optimizer muon's two groups
+            "all-positions": {}}         # train.py --loss-positions all: prompt rows in the loss
 
 
 def timed(f, n=3):
@@ -51,6 +52,9 @@ def main():
                     help="autocast dtype, as train.py's (auto: bf16 only where the CPU has it)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--prompt-share", type=float, default=1 / 6,
+                    help="share of each sequence that is prompt (not in the loss); the lever "
+                         "data's is 0.218 (140,249 tokens, 109,647 in the loss)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -69,7 +73,7 @@ def main():
     ids = torch.randint(0, V, (B, T))
     aux, final = torch.randn(B, T, 3 * Ht) * 5, torch.randn(B, T, Ht)
     mask = torch.ones(B, T, dtype=torch.bool)
-    mask[:, :T // 6] = False                                   # a prompt: not in the loss
+    mask[:, :int(T * a.prompt_share)] = False                 # a prompt: not in the loss
     need = ttt.shift_left(mask, 1, False)
     dt, why = resolve_dtype(a.dtype)
     print(f"dtype {why}", file=sys.stderr)
@@ -88,7 +92,8 @@ def main():
         opt.step()
         opt.zero_grad()
     if a.variants:
-        return time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, B * T)
+        every = ttt.valid_rows(torch.ones_like(mask), torch.ones_like(mask), J)  # all-positions
+        return time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, B * T, every)
     t_step, _ = timed(step)
     n = B * T
     print(f"B={B} T={T} TTT {J} Vd {Vd}: target side first sight {t_first:.3f} s, later "
@@ -97,7 +102,7 @@ def main():
           f"tok/s {n / (t_first + t_step):.0f} -> {n / (t_later + t_step):.0f}")
 
 
-def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n):
+def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n, every):
     steps = {}
     for name in a.variants:
         c = dataclasses.replace(cfg, **VARIANTS[name])
@@ -117,9 +122,12 @@ def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n):
         x = aux if len(c.aux_layer_ids) == 3 else \
             torch.randn(*aux.shape[:2], len(c.aux_layer_ids) * c.target_hidden_size) * 5
 
-        def step(m=m, opts=opts, x=x):
+        v = every if name == "all-positions" else valid
+        dn = v.sum((1, 2)).float()
+
+        def step(m=m, opts=opts, x=x, v=v, dn=dn):
             with ac:
-                loss, _, _ = m(ids, x, p, am, valid, denom, 1.0)
+                loss, _, _ = m(ids, x, p, am, v, dn, 1.0)
             loss.backward()
             for opt in opts:
                 opt.step()
