@@ -118,9 +118,6 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     "decay-1": ("every TTT step weighs 1 (speculators' default), not 0.8**j", ["--ttt-decay", "1.0"]),
     "decay-0.5": ("TTT step j weighs 0.5**j, not 0.8**j: the first draft step counts most",
                   ["--ttt-decay", "0.5"]),
-    "muon-3e-3-batch-2-all": ("muon-3e-3-batch-2 with the loss on every real token",
-                              ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "2", "--max-steps", "400",
-                               "--loss-positions", "all"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 
