@@ -525,7 +525,11 @@ def write_hidden_states(args, target, sequences, layer_ids, tok, tcfg):
             return target_hidden_states(target, seqs, layer_ids, args.batch_size)
     else:
         import sglang_engine as sge  # every SGLang call lives there
+        # the KV pool holds one capture batch at a time: sized to it, not to 80% of free memory
+        # (on a CPU that default took ~17 GB for a tiny target and left CI's 24 GB near OOM)
+        longest = max((len(s["input_ids"]) for s in sequences), default=1)
         runner = sge.runner(resolve_target(args.target), args.dtype,
+                            max_total_tokens=args.batch_size * longest + 256,
                             trust_remote_code=args.trust_remote_code)
 
         def compute(seqs):
