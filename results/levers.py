@@ -118,6 +118,12 @@ ARMS = {   # name -> (what changes, extra train.py flags)
     "decay-1": ("every TTT step weighs 1 (speculators' default), not 0.8**j", ["--ttt-decay", "1.0"]),
     "decay-0.5": ("TTT step j weighs 0.5**j, not 0.8**j: the first draft step counts most",
                   ["--ttt-decay", "0.5"]),
+    # session 16: 1.0 -> 0.8 -> 0.5 rose monotonically (seed 0); does it go on, and does the
+    # decay stack on the best training procedure (Muon 3e-3, 2 sequences a step)?
+    "decay-0.3": ("TTT step j weighs 0.3**j", ["--ttt-decay", "0.3"]),
+    "muon-3e-3-batch-2-decay-0.5": ("muon-3e-3-batch-2 with decay-0.5's step weights",
+                                    ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "2",
+                                     "--max-steps", "400", "--ttt-decay", "0.5"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 
