@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import ttt
-from test_train import FP32, build_data, run_train, save_tiny_target, tiny_draft, V, VD
+from test_train import FP32, build_data, run_train, save_tiny_target, tiny_draft, ttt_inputs, V, VD
 
 
 def test_chain_rows_loss_is_the_masked_sum():
@@ -17,14 +17,7 @@ def test_chain_rows_loss_is_the_masked_sum():
     the statistics and the per-row correctness are those of the plain loss."""
     draft = tiny_draft()
     B, T, J = 2, 10, 3
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
-    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
-    valid = torch.rand(J, B, T, generator=g) < 0.8
-    for j in range(J):
-        valid[j, :, T - j - 2:] = False
-    denom = valid.sum((1, 2)).float()
+    ids, aux, targ_p, valid, denom, g = ttt_inputs(draft, B, T, J, seed=5, keep=0.8)
     with torch.no_grad():
         # a target that agrees with the draft's own step-0 argmax on half the rows, so some
         # chains survive step 0 and some do not

@@ -154,6 +154,21 @@ def tiny_draft(seed=0):
     return draft.eval()
 
 
+def ttt_inputs(draft, B, T, J, seed, keep=None):
+    """Random TTTLoss inputs: token ids, aux features, soft target rows, and the valid mask
+    (each row kept with probability `keep`, all kept if None; never a target past the end, as
+    train.valid_rows) with its per-step row counts."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
+    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
+    valid = (torch.rand(J, B, T, generator=g) < keep) if keep is not None \
+        else torch.ones(J, B, T, dtype=torch.bool)
+    for j in range(J):
+        valid[j, :, T - j - 2:] = False
+    return ids, aux, targ_p, valid, valid.sum((1, 2)).float(), g
+
+
 def test_ttt_matches_step_by_step_decoding():
     """Row t at TTT step j must equal what the draft computes at decode time: a prefill over rows
     0..t (features fc(aux), tokens x_1..x_{t+1}, positions 0..t) into its KV cache, then j single
@@ -190,14 +205,7 @@ def test_accept_loss_adds_minus_log_acceptance():
     same valid rows with the same 0.8**j weights; W = 0 is the plain CE."""
     draft = tiny_draft()
     B, T, J = 2, 9, 3
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
-    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
-    valid = torch.rand(J, B, T, generator=g) < 0.7
-    for j in range(J):
-        valid[j, :, T - j - 2:] = False              # as valid_rows: no target past the end
-    denom = valid.sum((1, 2)).float()
+    ids, aux, targ_p, valid, denom, _ = ttt_inputs(draft, B, T, J, seed=2, keep=0.7)
     args = (ids, aux, targ_p, targ_p.argmax(-1), valid, denom, 1.0)
     with torch.no_grad():
         ce, st, _ = ttt.TTTLoss(draft, J)(*args)

@@ -7,7 +7,7 @@ import os
 import torch
 
 from test_train import (FP32, V, VD, data_dir, expect_error, final_state, read_log, run_train,  # noqa: F401
-                        target_dir, tiny_draft)
+                        target_dir, tiny_draft, ttt_inputs)
 import ttt
 from train_data import loss_positions
 
@@ -53,14 +53,7 @@ def test_ttt_decay_weighs_step_j_by_decay_to_the_j():
     (the statistics do not depend on the weights); the default is 0.8."""
     draft = tiny_draft()
     B, T, J = 2, 9, 3
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    aux = torch.randn(B, T, 3 * draft.config.target_hidden_size, generator=g)
-    targ_p = torch.softmax(torch.randn(B * T, VD, generator=g) * 3, -1)
-    valid = torch.ones(J, B, T, dtype=torch.bool)
-    for j in range(J):
-        valid[j, :, T - j - 2:] = False
-    denom = valid.sum((1, 2)).float()
+    ids, aux, targ_p, valid, denom, _ = ttt_inputs(draft, B, T, J, seed=3)
     args = (ids, aux, targ_p, targ_p.argmax(-1), valid, denom, 1.0)
     with torch.no_grad():
         base, st, _ = ttt.TTTLoss(draft, J)(*args)
