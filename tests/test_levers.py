@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import ttt
-from test_train import FP32, build_data, run_train, save_tiny_target, tiny_draft, ttt_inputs, V, VD
+from test_train import FP32, build_data, run_train, save_tiny_target, tiny_draft, ttt_inputs, VD
 
 
 def test_chain_rows_loss_is_the_masked_sum():

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from test_train import (FP32, V, VD, data_dir, expect_error, final_state, read_log, run_train,  # noqa: F401
+from test_train import (FP32, data_dir, expect_error, final_state, read_log, run_train,  # noqa: F401
                         target_dir, tiny_draft, ttt_inputs)
 import ttt
 from train_data import loss_positions
