@@ -183,6 +183,9 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                     help="muon: torch.optim.Muon on the 2D weight matrices (fc, attention, MLP), "
                     "AdamW on the rest (lm_head, norms), both at --lr")
+    ap.add_argument("--muon-lr", type=float, default=None, metavar="LR",
+                    help="with --optimizer muon: Muon's lr (default: --lr); --lr stays AdamW's "
+                    "(lm_head, norms)")
     ap.add_argument("--feature-noise", type=float, default=0.0, metavar="STD",
                     help="training only: add Gaussian noise of STD x each captured layer's RMS "
                     "to the target features (the target's states at decode time are not the "
@@ -254,6 +257,10 @@ def check_args(a):
         raise UserError(f"--distill-topk {a.distill_topk}: expected >= 1 (or 0: off)")
     if not a.lr > 0 or not math.isfinite(a.lr):
         raise UserError(f"--lr {a.lr}: expected > 0")
+    if a.muon_lr is not None and a.optimizer != "muon":
+        raise UserError(f"--muon-lr {a.muon_lr}: applies only with --optimizer muon")
+    if a.muon_lr is not None and (not a.muon_lr > 0 or not math.isfinite(a.muon_lr)):
+        raise UserError(f"--muon-lr {a.muon_lr}: expected > 0")
     if a.max_steps is not None and a.max_steps < 1:
         raise UserError(f"--max-steps {a.max_steps}: expected >= 1")
     if not 0 <= a.eval_fraction < 1:
@@ -406,14 +413,15 @@ def build_optimizer(r):
     # --optimizer muon (as speculators' trainer): Muon orthogonalises each 2D weight's momentum
     # (Newton-Schulz), so every direction of the matrix moves at one rate; lm_head and the
     # norms stay on AdamW (Muon is for hidden matrices only). match_rms_adamw scales its update
-    # to AdamW's RMS, so one --lr serves both. The optimizers step together, one schedule each.
+    # to AdamW's RMS, so one --lr can serve both; --muon-lr gives Muon its own (Muon's best lr
+    # need not be the head's). The optimizers step together, one schedule each.
     muon, rest = muon_split(named) if args.optimizer == "muon" else ([], r.params)
     r.opts = [torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95),
                                 weight_decay=args.weight_decay)] if rest else []
     if muon:
         if muon_in_fp32_here(r.device) and r.rank == 0:
             print("Muon's Newton-Schulz in fp32 (bf16 is not native here)", file=sys.stderr)
-        r.opts.append(torch.optim.Muon(muon, lr=args.lr, momentum=0.95,
+        r.opts.append(torch.optim.Muon(muon, lr=args.muon_lr or args.lr, momentum=0.95,
                                        weight_decay=args.weight_decay,
                                        adjust_lr_fn="match_rms_adamw"))
     r.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(r.warmup, r.total, args.min_lr_ratio))

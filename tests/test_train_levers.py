@@ -87,6 +87,13 @@ def test_muon_orthogonalises_matrices_and_leaves_lm_head_to_adamw(tmp_path, data
         assert sa.max() / sa.median() > 2.2, (k, sa.tolist())          # AdamW's is not
     k = "lm_head.weight"
     assert not torch.equal(adam[k], w0[k]) and torch.allclose(muon[k], adam[k], atol=1e-7)
+    # --muon-lr: the matrices' first update scales with it (linear in lr), the head's stays --lr's
+    split = one_step(data_dir, str(tmp_path / "split"), "1e-3", "--optimizer", "muon", "--muon-lr", "2e-3")
+    for k in ("midlayer.self_attn.q_proj.weight", "fc.weight"):
+        want = 2 * (muon[k] - w0[k])
+        assert (split[k] - w0[k] - want).norm() < 1e-3 * want.norm(), k
+    k = "lm_head.weight"
+    assert torch.allclose(split[k], adam[k], atol=1e-7)
 
 
 def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
@@ -124,6 +131,8 @@ def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
                  "--distill-topk -2: expected >= 1")
     expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--ttt-decay", "0"],
                  "--ttt-decay 0.0: expected in (0, 1]")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--muon-lr", "3e-3"],
+                 "--muon-lr 0.003: applies only with --optimizer muon")
 
 
 def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():
