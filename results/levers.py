@@ -134,9 +134,12 @@ ARMS = {   # name -> (what changes, extra train.py flags)
                    BEST + ["--ttt-loss-rows", "chain"]),
     # AdamW (lm_head, norms) at its own best lr, 1e-3, while Muon keeps 3e-3 (train.py --muon-lr)
     "best-adamw-1e-3": ("the best arm with AdamW's part (lm_head, norms) at 1e-3, Muon's at 3e-3",
-                        BEST + ["--lr", "1e-3", "--muon-lr", "3e-3"]),
+                        ["--optimizer", "muon", "--lr", "1e-3", "--muon-lr", "3e-3", "--batch-size", "2",
+                         "--max-steps", "400", "--ttt-decay", "0.5"]),
     "best-head-init-adamw-1e-3": ("best-head-init with best-adamw-1e-3's lrs",
-                                  BEST + ["--lm-head-init", "target", "--lr", "1e-3", "--muon-lr", "3e-3"]),
+                                  ["--optimizer", "muon", "--lr", "1e-3", "--muon-lr", "3e-3",
+                                   "--batch-size", "2", "--max-steps", "400", "--ttt-decay", "0.5",
+                                   "--lm-head-init", "target"]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 
