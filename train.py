@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from common import UserError, run_main
 from hidden import Offline, Online
+from optim import make_optimizers
 from train_data import (batch_indices, check_data, collate, eval_batches_for, loss_positions,
                         rank_share, read_data, split_data)
 from rundir import (best_so_far, list_checkpoints, load_checkpoint, save_best, save_checkpoint,
@@ -85,45 +86,6 @@ def init_lm_head(draft, target, args):
         draft.lm_head.weight.copy_(w[draft.draft_ids].float())
     if args.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
-
-
-def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's Newton-Schulz iteration (torch/optim/_muon.py, the same quintic
-    X <- aX + (bA + cA^2)X with A = XX^T, from X = G/|G|_F) in fp32 instead of bf16. It maps G =
-    U S V^T to about U V^T: every singular value near one, so the step moves all directions of
-    the matrix alike. Measured on an AVX2 EPYC, one thread, the 8 matrices of SmolLM2's draft:
-    24 s per step in bf16 (no native bf16: each matmul converts around an fp32 kernel), 1.5 s
-    in fp32, against a 6 s draft step."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
-
-
-def muon_split(named):
-    """(Muon's params, AdamW's) from (name, param) pairs: Muon takes the 2D hidden matrices."""
-    muon = [p for n, p in named if p.ndim == 2 and min(p.shape) > 1 and "lm_head" not in n]
-    return muon, [p for _, p in named if all(p is not m for m in muon)]
-
-
-def muon_in_fp32_here(device, flags=None):
-    """Where bf16 is not native (common.native_bf16; flags injectable for tests), point
-    torch.optim.Muon at newton_schulz_fp32 (it looks the function up in its module at each
-    step); elsewhere leave torch's bf16 one. Returns whether it did."""
-    import torch.optim._muon as muon
-    from common import native_bf16
-    slow = not native_bf16(device, flags)[0]
-    if slow and not hasattr(muon, "_zeropower_via_newtonschulz"):
-        raise UserError(f"--optimizer muon: torch {torch.__version__} has no "
-                        f"torch.optim._muon._zeropower_via_newtonschulz to run in fp32")
-    if slow:
-        muon._zeropower_via_newtonschulz = newton_schulz_fp32
-    return slow
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,16 +247,6 @@ def check_args(a):
                         "(or --init DRAFT)")
 
 
-def lr_lambda(warmup, total, min_ratio):
-    """Linear warmup, then cosine from 1 to min_ratio at the last step."""
-    def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        prog = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
-    return f
-
-
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
@@ -306,7 +258,7 @@ def main(argv=None):
     try:
         build_draft(r)         # the target's heads, the draft (fresh or --init), its config
         plan_steps(r)          # train/eval split, batch order, total steps, warmup
-        build_optimizer(r)     # TTT module, FSDP2, AdamW, schedule
+        build_optimizer(r)     # TTT module, FSDP2, optimizers and schedule (optim.py)
         open_run_dir(r)        # --resume from the last checkpoint, or a fresh run directory
         open_data_source(r)    # offline shards or the online producer; fc scaled to the features
         train_loop(r)          # steps, logs, evals, checkpoints, Ctrl-C
@@ -410,22 +362,7 @@ def build_optimizer(r):
     fully_shard(r.module, mesh=init_device_mesh(r.device.split(":")[0], (r.world,)))
     named = [(n, p) for n, p in r.module.named_parameters() if p.requires_grad]
     r.params = [p for _, p in named]
-    # --optimizer muon (as speculators' trainer): Muon orthogonalises each 2D weight's momentum
-    # (Newton-Schulz), so every direction of the matrix moves at one rate; lm_head and the
-    # norms stay on AdamW (Muon is for hidden matrices only). match_rms_adamw scales its update
-    # to AdamW's RMS, so one --lr can serve both; --muon-lr gives Muon its own (Muon's best lr
-    # need not be the head's). The optimizers step together, one schedule each.
-    muon, rest = muon_split(named) if args.optimizer == "muon" else ([], r.params)
-    r.opts = [torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95),
-                                weight_decay=args.weight_decay)] if rest else []
-    if muon:
-        if muon_in_fp32_here(r.device) and r.rank == 0:
-            print("Muon's Newton-Schulz in fp32 (bf16 is not native here)", file=sys.stderr)
-        r.opts.append(torch.optim.Muon(muon, lr=args.muon_lr or args.lr, momentum=0.95,
-                                       weight_decay=args.weight_decay,
-                                       adjust_lr_fn="match_rms_adamw"))
-    r.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(r.warmup, r.total, args.min_lr_ratio))
-                for o in r.opts]
+    r.opts, r.scheds = make_optimizers(named, args, r.warmup, r.total, r.device, verbose=r.rank == 0)
 
 
 def open_run_dir(r):

@@ -112,12 +112,12 @@ def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n, every):
         if name == "frozen-head":
             d.lm_head.weight.requires_grad_(False)
         m = ttt.TTTLoss(d, a.ttt_length)
-        import train
+        import optim
         params = [(k, q) for k, q in m.named_parameters() if q.requires_grad]
-        mats, rest = train.muon_split(params) if name == "muon" else ([], [q for _, q in params])
+        mats, rest = optim.muon_split(params) if name == "muon" else ([], [q for _, q in params])
         opts = [torch.optim.AdamW(rest, lr=1e-4)]
-        if mats:    # as train.py: Newton-Schulz in fp32 where bf16 is not native
-            train.muon_in_fp32_here("cpu")
+        if mats:    # as optim.py: Newton-Schulz in fp32 where bf16 is not native
+            optim.muon_in_fp32_here("cpu")
             opts.append(torch.optim.Muon(mats, lr=1e-4, adjust_lr_fn="match_rms_adamw"))
         x = aux if len(c.aux_layer_ids) == 3 else \
             torch.randn(*aux.shape[:2], len(c.aux_layer_ids) * c.target_hidden_size) * 5

@@ -136,22 +136,22 @@ def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
 
 
 def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():
-    """Both branches by injected CPU flags: AVX2 only -> train.py's fp32 iteration; avx512_bf16
+    """Both branches by injected CPU flags: AVX2 only -> optim.py's fp32 iteration; avx512_bf16
     -> torch's own (bf16). The fp32 one is torch's math: same result to bf16 rounding."""
     import torch.optim._muon as muon
-    import train
+    import optim
     torchs = muon._zeropower_via_newtonschulz
     try:
-        assert not train.muon_in_fp32_here("cpu", flags={"avx2", "avx512f", "avx512_bf16"})
+        assert not optim.muon_in_fp32_here("cpu", flags={"avx2", "avx512f", "avx512_bf16"})
         assert muon._zeropower_via_newtonschulz is torchs
-        assert train.muon_in_fp32_here("cpu", flags={"avx2", "fma"})
-        assert muon._zeropower_via_newtonschulz is train.newton_schulz_fp32
+        assert optim.muon_in_fp32_here("cpu", flags={"avx2", "fma"})
+        assert muon._zeropower_via_newtonschulz is optim.newton_schulz_fp32
     finally:
         muon._zeropower_via_newtonschulz = torchs
     coef = (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C)
     for shape in ((24, 40), (40, 24)):
         g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-        ours, ref = train.newton_schulz_fp32(g, coef, 5, 1e-7), torchs(g, coef, 5, 1e-7).float()
+        ours, ref = optim.newton_schulz_fp32(g, coef, 5, 1e-7), torchs(g, coef, 5, 1e-7).float()
         assert ours.dtype == torch.float32 and ours.shape == g.shape
         assert (ours - ref).abs().max() < 0.03 * ref.abs().max(), (ours - ref).abs().max()
         sv = torch.linalg.svdvals(ours)
