@@ -13,6 +13,8 @@ Two protocols, because this CPU cannot train a draft from nothing past the early
 - `scratch`: every arm starts from a random draft. Architecture levers (EAGLE-3.1 norms, layers)
   can only run here; it is the early regime, so its ranking is checked against `continued` on
   the levers both can run.
+- `long`: scratch at 3x the steps (~7 epochs over the lever data); `scale`: long's steps on a
+  larger data set (~2 epochs over 1,280 conversations), the at-scale check of the scratch ranking.
 
 "Equal compute" is measured, not assumed: each train record of log.jsonl carries the window's
 tokens and tokens_per_s, so a run's training seconds at every eval are known; `summary`
@@ -58,8 +60,14 @@ def scaled(flags, k):
 # scratch for 3x the tokens (~7 epochs over the lever data): does a lever's gain outlast the early
 # regime, or does the base catch up once it has seen the data as often as it can use? An arm's own
 # --max-steps / --eval-every are written for scratch's 100 steps, so they scale with it.
-STEP_SCALE = {"long": 3}
+STEP_SCALE = {"long": 3, "scale": 3}
 PROTOCOLS["long"] = scaled(PROTOCOLS["scratch"], STEP_SCALE["long"])
+# long's steps on a larger data set (session 18: 1,280 new conversations, so 300 x 8 sequences is
+# ~2 epochs, not ~7): past the early regime by unique data, not by repeats. Its held-out share is
+# 5% (64 conversations) and it evaluates every EVAL_SEQUENCES sequences whatever the arm's batch
+# (at scratch's every-10-steps a 2-sequence arm would evaluate 4x as often as the base).
+PROTOCOLS["scale"] = PROTOCOLS["long"] + ["--eval-fraction", "0.05"]
+EVAL_SEQUENCES = {"scale": 240}
 # the best recipe measured (sessions 13-16: +11.5% at equal tokens over base, three seeds)
 BEST = ["--optimizer", "muon", "--lr", "3e-3", "--batch-size", "2", "--max-steps", "400",
         "--ttt-decay", "0.5"]
@@ -155,8 +163,12 @@ def arm_command(protocol, arm, data, out, seed=0, dtype="auto"):
             atomic_write_text(path, json.dumps(f) + "\n")
             f = ["--draft-config", path]
         flags += f if isinstance(f, list) else [f]
-    return [sys.executable, os.path.join(ROOT, "train.py"), "--data", data, "--out", out,
-            *COMMON, *PROTOCOLS[protocol], *flags]
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", data, "--out", out,
+           *COMMON, *PROTOCOLS[protocol], *flags]
+    if protocol in EVAL_SEQUENCES:      # the last --batch-size is the one train.py applies
+        batch = int(cmd[len(cmd) - 1 - cmd[::-1].index("--batch-size") + 1])
+        cmd += ["--eval-every", str(EVAL_SEQUENCES[protocol] // batch)]
+    return cmd
 
 
 
