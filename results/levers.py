@@ -389,8 +389,9 @@ def plot(out, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(PROTOCOLS), figsize=(13, 4.5))
-    for ax, proto in zip(axes, PROTOCOLS):
+    protos = [p for p in PROTOCOLS if any(n.startswith(p + "-") for n in out)] or ["scratch"]
+    fig, axes = plt.subplots(1, len(protos), figsize=(1 + 5.5 * len(protos), 4.5), squeeze=False)
+    for ax, proto in zip(axes[0], protos):     # a panel for each protocol that has arms
         ax.set_prop_cycle(color=plt.cm.tab20.colors)     # more arms than the default 10 colours
         for name, r in out.items():
             if name.startswith(proto + "-"):
