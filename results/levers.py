@@ -166,7 +166,7 @@ def arm_command(protocol, arm, data, out, seed=0, dtype="auto"):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", data, "--out", out,
            *COMMON, *PROTOCOLS[protocol], *flags]
     if protocol in EVAL_SEQUENCES:      # the last --batch-size is the one train.py applies
-        batch = int(cmd[len(cmd) - 1 - cmd[::-1].index("--batch-size") + 1])
+        batch = int(cmd[max(i for i, c in enumerate(cmd) if c == "--batch-size") + 1])
         cmd += ["--eval-every", str(EVAL_SEQUENCES[protocol] // batch)]
     return cmd
 

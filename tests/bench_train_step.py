@@ -112,13 +112,11 @@ def time_variants(a, cfg, valid, denom, ids, aux, p, am, ac, n, every):
         if name == "frozen-head":
             d.lm_head.weight.requires_grad_(False)
         m = ttt.TTTLoss(d, a.ttt_length)
-        import optim
+        import optim    # train.py's own optimizers (Muon's Newton-Schulz in fp32 where bf16 is not native)
         params = [(k, q) for k, q in m.named_parameters() if q.requires_grad]
-        mats, rest = optim.muon_split(params) if name == "muon" else ([], [q for _, q in params])
-        opts = [torch.optim.AdamW(rest, lr=1e-4)]
-        if mats:    # as optim.py: Newton-Schulz in fp32 where bf16 is not native
-            optim.muon_in_fp32_here("cpu")
-            opts.append(torch.optim.Muon(mats, lr=1e-4, adjust_lr_fn="match_rms_adamw"))
+        opts, _ = optim.make_optimizers(params, argparse.Namespace(
+            optimizer="muon" if name == "muon" else "adamw", lr=1e-4, muon_lr=None, weight_decay=0.0,
+            min_lr_ratio=0.1), 0, 1, "cpu", verbose=False)
         x = aux if len(c.aux_layer_ids) == 3 else \
             torch.randn(*aux.shape[:2], len(c.aux_layer_ids) * c.target_hidden_size) * 5
 
