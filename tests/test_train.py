@@ -451,6 +451,38 @@ def test_two_processes_match_one(tmp_path, data_dir):
         assert ra["acc_j"] == rb["acc_j"] and ra["rows"] == rb["rows"]
 
 
+def test_two_processes_match_one_with_muon(tmp_path, data_dir):
+    """Muon under FSDP2: each rank holds half of every matrix's rows (a DTensor), and Newton-
+    Schulz must orthogonalise the whole matrix, not each half. DTensor's matmuls gather what
+    X @ X^T needs, so two processes must take one process's steps. Both runs use the fp32
+    iteration (optim.newton_schulz_fp32, forced by a sitecustomize on PYTHONPATH): torch's bf16
+    one rounds differently under another reduction order (measured: 1-8% of the 4 steps'
+    movement apart in bf16, ~1e-6 in fp32), which would hide a real difference."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        f"import sys; sys.path.insert(0, {ROOT!r})\n"
+        "import torch.optim._muon, optim\n"
+        "torch.optim._muon._zeropower_via_newtonschulz = optim.newton_schulz_fp32\n")
+    env = dict(os.environ, PYTHONPATH=str(shim))
+    common = ["--data", data_dir, "--offline", "--batch-size", "2", "--max-steps", "3",
+              "--optimizer", "muon", "--lr", "3e-3", "--ttt-length", "3", "--eval-every", "3",
+              "--fc-init", "rms"] + FP32
+    one, two, still = (str(tmp_path / n) for n in ("one", "two", "still"))
+    run_train(common + ["--out", one], env=env)
+    run_train(common + ["--out", still, "--lr", "1e-12"], env=env)   # the start, for scale
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "train.py", "--out", two] + common
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b, s = final_state(one)["model"], final_state(two)["model"], final_state(still)["model"]
+    muon_names = [n for n, w in a.items() if w.ndim == 2 and min(w.shape) > 1 and "lm_head" not in n]
+    assert len(muon_names) == 8                  # fc, q/k/v/o, gate/up/down
+    for k in muon_names:
+        moved, apart = (a[k] - s[k]).norm(), (a[k] - b[k]).norm()
+        assert moved > 1e-3 and apart < 1e-3 * moved, (k, float(moved), float(apart))
+
+
 def test_online_matches_offline(tmp_path, data_dir):
     common = ["--data", data_dir, "--batch-size", "2", "--max-steps", "5", "--lr", "1e-3",
               "--ttt-length", "3", "--eval-every", "5", "--log-every", "1",
