@@ -7,6 +7,11 @@ from log.jsonl). One plot answers both "how much does more data buy?" and "does 
 metric tell the truth?".
 
     python tests/bench_accept_curve.py runs/NAME [--benchmark mtbench:8] [--max-new-tokens 128]
+        [--stride K] [--reference DRAFT ...]
+
+--stride K measures every K-th kept checkpoint (and always the last); --reference measures other
+drafts (e.g. the shipped one) on the same prompts, drawn as horizontal lines: where the run's curve
+crosses one is the training tokens this recipe needs to match that draft.
 
 Writes runs/NAME/accept_curve.json and .png (atomically). Prompts are the first turns of the
 benchmark's items, plus their second turns answered by the target's own greedy first answer.
@@ -58,7 +63,16 @@ def main():
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stride", type=int, default=1, metavar="K",
+                    help="every K-th checkpoint (and the last)")
+    ap.add_argument("--reference", nargs="*", default=[], metavar="DRAFT",
+                    help="draft directories measured on the same prompts, drawn as lines")
     args = ap.parse_args()
+    if args.stride < 1:
+        raise UserError(f"--stride {args.stride}: expected >= 1")
+    for d in args.reference:
+        if not os.path.exists(os.path.join(d, "config.json")):
+            raise UserError(f"--reference {d}: no config.json (expected a draft directory)")
 
     import torch
     from tqdm import tqdm
@@ -70,6 +84,7 @@ def main():
         torch.set_num_threads(args.threads)
 
     ckpts = checkpoints(args.run)
+    ckpts = ckpts[::-1][::args.stride][::-1]            # every K-th, counted back from the last
     tokens, evals = read_log(args.run)
     label, items = parse_benchmark(args.benchmark)
     target, tok = load_target(args.target, args.dtype, "cpu")
@@ -79,8 +94,8 @@ def main():
     # Prompts: first turns, then second turns after the target's own greedy first answer.
     prompts = greedy_turn_prompts(target, tok, items, args.max_new_tokens, stop)
 
-    points = []
-    for step, path in tqdm(ckpts, desc="checkpoints", file=sys.stderr):
+    def measure(path):
+        """(accept length, rounds): verified tokens per verify round over all the prompts."""
         draft = pack_linears(load_draft_for(path, target, target.dtype))
         spec = Speculator(target, draft, args.steps, args.topk, args.num_draft_tokens, 0.0, 1.0,
                           stop)
@@ -89,9 +104,20 @@ def main():
             _, s = spec.generate(ids, args.max_new_tokens)
             rounds += s["rounds"]
             verified += sum(s["accepted"]) + s["rounds"]
+        return verified / max(rounds, 1), rounds
+
+    references = []
+    for path in args.reference:
+        a, r = measure(path)
+        references.append({"draft": path, "accept_length": a, "rounds": r})
+        print(f"reference {path}: measured {a:.3f}", file=sys.stderr)
+
+    points = []
+    for step, path in tqdm(ckpts, desc="checkpoints", file=sys.stderr):
+        a, r = measure(path)
         ev = evals.get(step, {})
         points.append({"step": step, "tokens": tokens.get(step), "checkpoint": path,
-                       "accept_length": verified / max(rounds, 1), "rounds": rounds,
+                       "accept_length": a, "rounds": r,
                        "simulated": ev.get("accept_len_3"), "replayed": ev.get("replay_accept_3")})
         print(f"step {step}: tokens {tokens.get(step)}, measured {points[-1]['accept_length']:.3f}, "
               f"simulated {ev.get('accept_len_3')}, replayed {ev.get('replay_accept_3')}",
@@ -100,7 +126,7 @@ def main():
     out = {"run": args.run, "benchmark": label, "prompts": len(prompts),
            "settings": {k: getattr(args, k) for k in ("max_new_tokens", "steps", "topk",
                                                        "num_draft_tokens", "dtype")},
-           "points": points}
+           "points": points, "references": references}
     base = os.path.join(args.run, "accept_curve")
     atomic_write_text(base + ".json", json.dumps(out, indent=2) + "\n")
 
@@ -117,6 +143,9 @@ def main():
                 label="training eval: simulated (held-out split)")
         ax.plot([e[0] for e in ev], [e[1]["replayed"] for e in ev], "^:",
                 label="training eval: replayed")
+    for i, r in enumerate(references):
+        ax.axhline(r["accept_length"], color=f"C{3 + i}", lw=1,
+                   label=f"{os.path.basename(os.path.normpath(r['draft']))}: {r['accept_length']:.3f}")
     ax.set_xlabel("training tokens seen" if points[0]["tokens"] else "step")
     ax.set_ylabel(f"accept length (steps {args.steps}, topk {args.topk}, greedy)")
     ax.grid(alpha=0.3)
