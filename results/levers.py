@@ -148,6 +148,15 @@ ARMS = {   # name -> (what changes, extra train.py flags)
                                   ["--optimizer", "muon", "--lr", "1e-3", "--muon-lr", "3e-3",
                                    "--batch-size", "2", "--max-steps", "400", "--ttt-decay", "0.5",
                                    "--lm-head-init", "target"]),
+    # session 23 (an AMX CPU: bf16 at ~10x fp32, so scale-protocol arms take minutes): the two
+    # layouts the first ablation ran only under the old recipe, now on top of best-head-init
+    "bhi-eagle31": ("best-head-init with EAGLE-3.1's layout (fc_norm + norm_output)",
+                    BEST + ["--lm-head-init", "target", {"fc_norm": True, "norm_output": True}]),
+    # tests/bench_train_step.py --variants base 2-layers --batch-size 2 --seq-len 360 --dtype
+    # bfloat16 (AMX Xeon, one thread): the second layer makes the step 1.62x, so 400 / 1.62 steps
+    "bhi-2-layers": ("best-head-init with two decoder layers, ~equal FLOPs (247 of 400 steps)",
+                     [*BEST[:6], "--max-steps", "247", *BEST[8:], "--lm-head-init", "target",
+                      {"num_hidden_layers": 2}]),
 }   # a dict in the flags is a --draft-config, written to RUNS/ARM/draft_config.json
 DATA_LAYERS = {"5-aux": 5}   # arms that need --data captured at this many layers
 

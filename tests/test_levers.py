@@ -195,10 +195,14 @@ def test_levers_seed_and_dtype_reach_every_arm(tmp_path):
     cmd = levers.arm_command("long", "base", "DATA", str(tmp_path / "b"))
     assert last("--max-steps") == "300" and cmd.count("--max-steps") == 1
     # scale: long's steps on larger data; evals every 240 sequences whatever the arm's batch
-    for arm, steps, every in (("base", "300", "30"), ("best-head-init", "1200", "120")):
+    for arm, steps, every in (("base", "300", "30"), ("best-head-init", "1200", "120"),
+                              ("bhi-2-layers", "741", "120")):   # 2 layers: 1/1.62 the steps
+        os.makedirs(tmp_path / arm, exist_ok=True)
         cmd = levers.arm_command("scale", arm, "DATA", str(tmp_path / arm))
         assert last("--max-steps") == steps and last("--eval-every") == every
         assert last("--eval-fraction") == "0.05"
+    # an arm's layout reaches train.py as the --draft-config it writes
+    assert json.load(open(last("--draft-config"))) == {"num_hidden_layers": 2}
 
 
 def test_levers_replicates_pairs_each_arm_with_its_own_seeds_base(tmp_path, capsys):
