@@ -56,8 +56,15 @@ def target_probs(logits, temperature, top_p):
     return p
 
 
+# A torch.Generator draws only on its own device: speculate.py's is a CPU one (the same stream on
+# any device), bench.py's lives on the target's. Probabilities go to the generator, not back.
 def sample(p, gen):
-    return int(torch.multinomial(p, 1, generator=gen))
+    return int(torch.multinomial(p if gen is None else p.to(gen.device), 1, generator=gen))
+
+
+def uniform(gen):
+    """u ~ U[0, 1) from gen, on gen's device."""
+    return float(torch.rand((), generator=gen, device=None if gen is None else gen.device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +327,7 @@ class Speculator:
                 x = tree.tokens[c]
                 q = torch.zeros_like(p)
                 q[self.draft_ids] = tree.q[c - 1]
-                if float(torch.rand((), generator=gen)) * q[x] < p[x]:  # u < p/q without dividing
+                if uniform(gen) * q[x] < p[x]:  # u < p/q without dividing
                     path.append(c)
                     continue
                 resid = (p - q).clamp_min(0)
@@ -328,7 +335,7 @@ class Speculator:
             moved = False
             for c in kids[cur]:
                 x = tree.tokens[c]
-                if float(torch.rand((), generator=gen)) < p[x]:
+                if uniform(gen) < p[x]:
                     path.append(c)
                     moved = True
                     break
