@@ -17,23 +17,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_speculate import (CONFIGS, bigram_pair, exact_first3, prompts, random_pair,  # noqa: E402
                             tv, tv_bound)
-from test_train import (FP32, build_data, interrupted_equals_uninterrupted, read_log,  # noqa: E402
-                        run_train, save_tiny_target)
+from test_train import (FP32, data_dir, interrupted_equals_uninterrupted, read_log,  # noqa: E402,F401
+                        run_train, target_dir)   # the fixtures too: the same tiny target and data
 from model import Eagle3Draft  # noqa: E402
 from draft_config import config_from_target  # noqa: E402
 from speculate import Speculator, target_generate  # noqa: E402
 
 CUDA = ["--device", "cuda"]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_tiny_target(tmp_path_factory.mktemp("tiny_target"))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory, target_dir):
-    return build_data(tmp_path_factory.mktemp("data"), target_dir)
 
 
 @pytest.mark.parametrize("steps,topk,ndt", CONFIGS)
