@@ -10,18 +10,14 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, make_tiny_target
+from conftest import ROOT
+from test_speculate import (CONFIGS, bigram_pair, exact_first3, prompts, random_pair,
+                            sampling_pair, tv, tv_bound)
+from test_train import (FP32, data_dir, interrupted_equals_uninterrupted, read_log,  # noqa: F401
+                        run_train, target_dir)   # the fixtures too: the same tiny target and data
+from speculate import Speculator, target_generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_speculate import (CONFIGS, bigram_pair, exact_first3, prompts, random_pair,  # noqa: E402
-                            tv, tv_bound)
-from test_train import (FP32, data_dir, interrupted_equals_uninterrupted, read_log,  # noqa: E402,F401
-                        run_train, target_dir)   # the fixtures too: the same tiny target and data
-from model import Eagle3Draft  # noqa: E402
-from draft_config import config_from_target  # noqa: E402
-from speculate import Speculator, target_generate  # noqa: E402
 
 CUDA = ["--device", "cuda"]
 
@@ -54,17 +50,10 @@ def test_sampling_preserves_target_distribution_on_cuda(gen_device):
     must work with a GPU target and keep the target's joint distribution of the first tokens
     (exact enumeration on the CPU, the bound of tests/test_speculate.py)."""
     V, n, cfg = 12, 1500, (3, 1, 4)
-    t = make_tiny_target(vocab_size=V, hidden_size=32, layers=6, seed=3)
-    with torch.no_grad():
-        t.lm_head.weight.mul_(12)
-    torch.manual_seed(7)
-    d = Eagle3Draft(config_from_target(t.config, 10, [1, 2, 3]), t.get_input_embeddings().weight)
-    with torch.no_grad():
-        d.lm_head.weight.mul_(30)
-    d.set_vocab(torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 9, 11]))
+    t, d = sampling_pair(V)
     prompt = [3, 1, 4, 1, 5]
     exact = exact_first3(t, prompt, 1.0, 1.0).cuda()
-    spec = Speculator(t.cuda(), d.eval().cuda(), *cfg, temperature=1.0, stop_ids=())
+    spec = Speculator(t.cuda(), d.cuda(), *cfg, temperature=1.0, stop_ids=())
     gen = torch.Generator(device=gen_device).manual_seed(1234)
     counts = torch.zeros(V, V, V, device="cuda")
     for _ in range(n):

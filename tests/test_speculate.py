@@ -223,12 +223,9 @@ def sample_runs(cls, t, d, cfg, prompt, n, temperature, top_p):
     return counts
 
 
-@pytest.mark.parametrize("cfg,temperature,top_p", [((3, 1, 4), 1.0, 1.0), ((3, 1, 4), 0.7, 0.9),
-                                                   ((3, 3, 7), 1.0, 1.0)])
-def test_sampling_preserves_target_distribution(cfg, temperature, top_p):
-    """Joint distributions of the first tokens against exact enumeration. (tests/test_sampling.py
-    checks every token of many rounds, with negative controls for chains and trees.)"""
-    V, n = 12, 1500
+def sampling_pair(V=12):
+    """A small peaked target and a draft whose q differs a lot from the target's p (ten of the
+    twelve tokens in its vocabulary): every branch of the accept/resample rule is taken."""
     t = make_tiny_target(vocab_size=V, hidden_size=32, layers=6, seed=3)
     with torch.no_grad():
         t.lm_head.weight.mul_(12)     # peaked enough that the draft's q differs a lot from p
@@ -237,7 +234,16 @@ def test_sampling_preserves_target_distribution(cfg, temperature, top_p):
     with torch.no_grad():
         d.lm_head.weight.mul_(30)
     d.set_vocab(torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 9, 11]))
-    d.eval()
+    return t, d.eval()
+
+
+@pytest.mark.parametrize("cfg,temperature,top_p", [((3, 1, 4), 1.0, 1.0), ((3, 1, 4), 0.7, 0.9),
+                                                   ((3, 3, 7), 1.0, 1.0)])
+def test_sampling_preserves_target_distribution(cfg, temperature, top_p):
+    """Joint distributions of the first tokens against exact enumeration. (tests/test_sampling.py
+    checks every token of many rounds, with negative controls for chains and trees.)"""
+    V, n = 12, 1500
+    t, d = sampling_pair(V)
     prompt = [3, 1, 4, 1, 5]
     exact = exact_first3(t, prompt, temperature, top_p)
     counts = sample_runs(Speculator, t, d, cfg, prompt, n, temperature, top_p)
