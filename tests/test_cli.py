@@ -55,7 +55,7 @@ def test_model_cli_creates_and_describes(tmp_path):
                       "--draft-vocab-size")
 
 
-SHIPPED_DRAFT = os.path.join(ROOT, "drafts", "smollm2-135m-eagle3-15k")   # README's main command
+SHIPPED_DRAFT = os.path.join(ROOT, "drafts", "smollm2-135m-eagle31-3k")   # README's main command
 
 
 @pytest.mark.skipif(not os.path.isdir(SHIPPED_DRAFT), reason="the shipped draft is not checked out")
