@@ -3,7 +3,7 @@ A training run's directory, everything train.py writes besides the weights' math
 
     RUN/log.jsonl               one JSON record per logged train step and per eval
     RUN/curves.png              loss, per-step accuracy and accept length, redrawn as it runs
-    RUN/eval_prompts.jsonl      the held-out conversations, as speculate.py --prompts input
+    RUN/eval_prompts.jsonl      the held-out turns, one line each, as speculate.py --prompts input
     RUN/checkpoints/step-N/     config.json + model.safetensors (an SGLang/vLLM-loadable draft)
                                 + trainer_state.pt (model, optimizer, schedule, RNG, data position)
     RUN/best/                   --keep-best: the draft at the held-out eval with the highest
@@ -21,7 +21,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from common import UserError
+from common import UserError, atomic_write_text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,18 +181,31 @@ def write_plots(run_dir, log_path):
 
 
 def write_eval_prompts(data_path, seqs, eval_ids, out_path):
-    """The held-out conversations as speculate.py --prompts input, so decode-time acceptance can
-    be measured on exactly the sequences eval's simulated accept length comes from."""
+    """The held-out conversations as speculate.py --prompts input: one line per assistant turn
+    of each held-out sequence (the conversation up to that turn's user message, earlier answers
+    as in the data), so decoding every line covers the turns eval's replayed accept length is
+    computed over. One line per conversation would decode only its last turn (speculate.py
+    answers the last user message): on two-turn data the second answers accept more and read
+    ~5-6% above the replay, all turns 0.3% (results/RUNS.md, session 27)."""
     cpath = os.path.join(data_path, "conversations.jsonl")
     if not eval_ids or not os.path.exists(cpath):
         return
     with open(cpath) as f:
         convs = [json.loads(l) for l in f if l.strip()]
-    with open(out_path, "w") as f:
-        for k in eval_ids:
-            c = seqs[k].get("conversation", k)
-            if isinstance(c, int) and 0 <= c < len(convs):
-                f.write(json.dumps({"messages": convs[c]["messages"]}) + "\n")
+    lines = []
+    for k in eval_ids:
+        c = seqs[k].get("conversation", k)
+        if not (isinstance(c, int) and 0 <= c < len(convs)):
+            continue
+        msgs = convs[c]["messages"]
+        # a thinking template's data holds one sample per assistant turn (its message index)
+        turn = seqs[k].get("turn")
+        turns = [turn] if turn is not None else [i for i, m in enumerate(msgs)
+                                                 if m["role"] == "assistant"]
+        for i in turns:
+            if any(m["role"] == "user" for m in msgs[:i]):
+                lines.append(json.dumps({"messages": msgs[:i]}) + "\n")
+    atomic_write_text(out_path, "".join(lines))
 
 
 def truncate_log(log_path, step):

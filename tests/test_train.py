@@ -650,6 +650,27 @@ def test_replayed_accept_length_predicts_speculate(tmp_path, target_dir):
         (ev["replay_accept_3"], measured, ev["accept_len_3"])
 
 
+def test_eval_prompts_cover_every_held_out_turn(tmp_path):
+    """eval_prompts.jsonl holds one prompt per assistant turn the held-out sequences train on,
+    each the conversation up to that turn's user message: decoding the file covers the turns the
+    replayed accept length counts, not only each conversation's last turn."""
+    from common import read_prompts
+    u = lambda t: {"role": "user", "content": t}
+    a = lambda t: {"role": "assistant", "content": t}
+    convs = [[{"role": "system", "content": "s"}, u("q0"), a("a0"), u("q1"), a("a1")],
+             [u("r0"), a("b0")], [u("t0"), a("c0"), u("t1"), a("c1")]]
+    (tmp_path / "conversations.jsonl").write_text(
+        "".join(json.dumps({"messages": m}) + "\n" for m in convs))
+    seqs = [{"conversation": 0}, {"conversation": 1},                # whole conversations
+            {"conversation": 2, "turn": 1}, {"conversation": 2, "turn": 3}]   # one per turn
+    out = tmp_path / "eval_prompts.jsonl"
+    rundir.write_eval_prompts(str(tmp_path), seqs, [0, 2, 3], str(out))
+    got = [[m["content"] for m in p] for p in read_prompts(str(out))]
+    assert got == [["s", "q0"], ["s", "q0", "a0", "q1"], ["t0"], ["t0", "c0", "t1"]]
+    rundir.write_eval_prompts(str(tmp_path), seqs, [1], str(out))
+    assert [[m["content"] for m in p] for p in read_prompts(str(out))] == [["r0"]]
+
+
 def test_draft_config_shapes_a_new_draft(tmp_path, data_dir):
     """--draft-config (SpecForge's --draft-model-config) replaces the automatic shape."""
     p = tmp_path / "draft.json"
