@@ -186,7 +186,7 @@ def write_eval_prompts(data_path, seqs, eval_ids, out_path):
     as in the data), so decoding every line covers the turns eval's replayed accept length is
     computed over. One line per conversation would decode only its last turn (speculate.py
     answers the last user message): on two-turn data the second answers accept more and read
-    ~5-6% above the replay, all turns 0.3% (results/RUNS.md, session 27)."""
+    ~5-6% above the replay, all turns within 0.1% (results/RUNS.md, session 27)."""
     cpath = os.path.join(data_path, "conversations.jsonl")
     if not eval_ids or not os.path.exists(cpath):
         return
