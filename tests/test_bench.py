@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, make_tiny_target
+from runscript import run_script
 
 import bench
 import bench_sglang
@@ -56,8 +56,7 @@ def tiny(tmp_path_factory):
 
 def run_cli(*args, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return run_script(["bench.py", *args], cwd=ROOT, timeout=timeout, env=env)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,19 +3,17 @@ answered by one clear error line and a non-zero exit (never a traceback)."""
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import ROOT
+from runscript import run_script
 
 
 def run(*args, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run_script(args, cwd=ROOT, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -108,16 +106,33 @@ SHIPPED = sorted(os.path.relpath(os.path.dirname(p), ROOT)
                  for p in glob.glob(os.path.join(ROOT, "drafts", "*", "config.json")))
 
 
+@pytest.fixture(scope="module")
+def sea_poem():
+    """The default target in fp32 (packed, as speculate.py runs it) and its own greedy answer to
+    one prompt: the reference every committed draft must reproduce. Computed once for all of
+    them (speculate.py --check would decode it again per draft; the CLI path itself is
+    test_speculate_check_on_default_target)."""
+    from common import chat_prompt_ids, load_target, pack_linears, stop_token_ids
+    from speculate import target_generate
+    target, tok = load_target("default", torch.float32, "cpu")
+    pack_linears(target)
+    ids = chat_prompt_ids(tok, [{"role": "user", "content": "Write a short poem about the sea."}])
+    stop = stop_token_ids(tok, target.config)
+    ref, _ = target_generate(target, ids, 48, stop_ids=stop)
+    return target, ids, stop, ref
+
+
 @pytest.mark.parametrize("draft", SHIPPED)
-def test_committed_draft_is_lossless_and_accepts(tmp_path, draft):
+def test_committed_draft_is_lossless_and_accepts(sea_poem, draft):
     # the shipped draft: small, loads against the default target, exact in fp32, and trained
     # (a random draft's accept length is ~1.0; this one must get well past it on a plain prompt)
+    from common import pack_linears
+    from model import load_draft_for
+    from speculate import Speculator
     size = sum(os.path.getsize(os.path.join(ROOT, draft, f)) for f in os.listdir(os.path.join(ROOT, draft)))
     assert size < 25e6, size
-    out = tmp_path / "r.json"
-    r = run("speculate.py", "--draft", draft, "--prompt", "Write a short poem about the sea.",
-            "--max-new-tokens", "48", "--dtype", "float32", "--check", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
-    rec = json.loads(out.read_text())
-    assert rec["summary"]["mismatches"] == 0
-    assert rec["summary"]["accept_length"] > 1.2, rec["summary"]
+    target, ids, stop, ref = sea_poem
+    d = pack_linears(load_draft_for(os.path.join(ROOT, draft), target, torch.float32))
+    out, s = Speculator(target, d, 3, 1, 4, stop_ids=stop).generate(ids, 48, torch.Generator().manual_seed(0))
+    assert out == ref
+    assert s["accept_length"] > 1.2, s

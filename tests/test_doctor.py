@@ -4,14 +4,13 @@ served", injected into a good checkpoint, fails with one line naming the field."
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, make_tiny_target
+from runscript import run_script
 import doctor
 import layouts
 from model import Eagle3Draft
@@ -264,13 +263,12 @@ def test_measured_against_card(tmp_path):
 
 def test_cli_exit_codes(tmp_path, target):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, os.path.join(ROOT, "model.py")]
-    r = subprocess.run(cmd + [os.path.join(FIX, "eagle3"), "--doctor"], capture_output=True,
-                       text=True, env=env)
+    cmd = [os.path.join(ROOT, "model.py")]
+    r = run_script(cmd + [os.path.join(FIX, "eagle3"), "--doctor"], env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1].startswith("OK: 0 of")
     bad = inject(os.path.join(FIX, "eagle3"), tmp_path / "bad", del_key("norm_before_residual"))
-    r = subprocess.run(cmd + [bad, "--doctor"], capture_output=True, text=True, env=env)
+    r = run_script(cmd + [bad, "--doctor"], env=env)
     assert r.returncode == 1
     assert any(ln.startswith("FAIL  config.json") and "norm_before_residual" in ln
                for ln in r.stdout.splitlines())

@@ -4,14 +4,13 @@ user mistake the issue lists. Tiny random targets (tests/conftest.py) keep each 
 import http.server
 import json
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 
 from conftest import ROOT, make_tiny_target
+from runscript import run_script
 
 import chat
 import dataset
@@ -658,9 +657,8 @@ def test_vocab_from_takes_a_drafts_vocabulary_and_layers(tmp_path, tiny_dir):
 
 def test_cli_bad_json_line_is_one_error_line(tmp_path, tiny_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "fine"}, "{oops"])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--target", tiny_dir,
-                        "--prompts", prompts, "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = run_script([os.path.join(ROOT, "generate.py"), "--target", tiny_dir,
+                    "--prompts", prompts, "--out", str(tmp_path / "o")], cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == \
         f"error: {prompts}:2: malformed JSON (Expecting property name enclosed in double quotes); " \

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT, save_tiny_kimi_target
+from runscript import run_script
 from common import UserError
 
 KIMI_CONFIG = os.path.join(ROOT, "tests", "fixtures", "kimi-k2-instruct", "config.json")
@@ -214,8 +215,8 @@ def test_kimi_like_target_end_to_end(tmp_path, monkeypatch):
     assert a["step"] == b["step"] == 6
     for k in a["model"]:     # the producer's states equal the stored ones: same training
         assert torch.allclose(a["model"][k], b["model"][k], atol=1e-4, rtol=1e-3), k
-    p = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path / "x")] + common[:-1] +
-                       ["--offline"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = run_script(["train.py", "--out", str(tmp_path / "x")] + common[:-1] + ["--offline"],
+                   cwd=ROOT, timeout=300)
     assert p.returncode == 2 and "--trust-remote-code" in p.stderr.strip().splitlines()[-1]
 
     # the checkpoint: SGLang's names and shapes, the MLA draft shape, the data's vocab and layers

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import make_tiny_target
+from runscript import run_script
 from lookup_fixture import LAYOUTS as LOOKUP_LAYOUTS, lookup_prompts, make_layout_draft
 from lookup_fixture import make_target as make_lookup_target
 from common import UserError
@@ -393,8 +394,6 @@ def test_train_py_with_every_option(tmp_path):
 def test_bench_py_with_every_option(tmp_path):
     """bench.py (torch backend, fp32) decodes with an all-options draft, chain and tree, every
     output equal to plain decoding's."""
-    import subprocess
-    import sys
     from transformers import AutoTokenizer
     from common import resolve_target
     from conftest import ROOT
@@ -410,11 +409,11 @@ def test_bench_py_with_every_option(tmp_path):
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(json.dumps({"prompt": "Name a colour."}) + "\n")
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "bench.py", "--target", str(tmp_path / "target"),
-                        "--draft", str(tmp_path / "draft"), "--dtype", "float32",
-                        "--benchmark-list", f"{prompts}:1", "--config-list", "1,3,1,4", "1,3,4,8",
-                        "--max-new-tokens", "8", "--peers", "generate", "--output", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_script(["bench.py", "--target", str(tmp_path / "target"),
+                    "--draft", str(tmp_path / "draft"), "--dtype", "float32",
+                    "--benchmark-list", f"{prompts}:1", "--config-list", "1,3,1,4", "1,3,4,8",
+                    "--max-new-tokens", "8", "--peers", "generate", "--output", str(out)],
+                   cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
     assert {e["config"] for e in res} >= {"1,3,1,4", "1,3,4,8"}

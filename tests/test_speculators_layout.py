@@ -4,14 +4,13 @@ exactly what speculators' forward computed, decode losslessly with speculate.py,
 SGLang's layout and back bit for bit and field for field; so does a draft this project writes."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, make_tiny_target
+from runscript import run_script
 from common import UserError
 import layouts
 from model import Eagle3Draft, load_draft_for
@@ -183,12 +182,12 @@ def test_cli_export(tmp_path):
     """python model.py DRAFT --export speculators --out DIR, and a bad call's one-line error."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = str(tmp_path / "sg")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "model.py"), fixture("eagle3_norms"),
-                        "--export", "sglang", "--out", out], capture_output=True, text=True, env=env)
+    r = run_script([os.path.join(ROOT, "model.py"), fixture("eagle3_norms"),
+                    "--export", "sglang", "--out", out], env=env)
     assert r.returncode == 0, r.stderr
     assert read_config(out).num_hidden_layers == 2
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "model.py"), fixture("eagle3"),
-                        "--export", "speculators"], capture_output=True, text=True, env=env)
+    r = run_script([os.path.join(ROOT, "model.py"), fixture("eagle3"),
+                    "--export", "speculators"], env=env)
     assert r.returncode == 2 and r.stderr.strip() == "error: --export needs --out DIR"
 
 

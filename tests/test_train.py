@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, make_tiny_target
+from runscript import run_script
 
 import hidden
 import rundir
@@ -122,8 +123,7 @@ def data_dir(tmp_path_factory, target_dir):
 
 
 def run_train(args, check=True, env=None, **kw):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py")] + args
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300, **kw)
+    p = run_script([os.path.join(ROOT, "train.py")] + args, cwd=ROOT, env=env, timeout=300, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return p
