@@ -465,10 +465,8 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def main():
-    from common import (chat_prompt_ids, load_target, machine_summary, pack_linears, read_prompts,
-                        resolve_dtype, stop_token_ids)
-    from model import load_draft_for
+def parse_args():
+    """The command line, checked: (args, dtype, why). A bad value is a one-line UserError."""
     ap = argparse.ArgumentParser(description="EAGLE-3 draft-verify decoding in plain PyTorch.")
     ap.add_argument("--draft", required=True, help="draft directory (config.json + model.safetensors)")
     ap.add_argument("--target", default="default", help="target model ('default' = SmolLM2-135M)")
@@ -507,60 +505,50 @@ def main():
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
     if args.check and args.temperature != 0:
         raise UserError("--check compares greedy outputs: use it with --temperature 0")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads {args.threads}: expected >= 1")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads {args.threads}: expected >= 1")
     if args.check and args.dtype == "auto":  # the proof is exact in fp32 only (see divergence)
         dtype, why = torch.float32, "auto: float32 (--check proves losslessness in float32)"
     else:
+        from common import resolve_dtype
         dtype, why = resolve_dtype(args.dtype, args.device)
     args.dtype = str(dtype).replace("torch.", "")
-    print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
-    from draft_config import read_config
-    check_spec_args(args.steps, args.topk, args.num_draft_tokens,
-                    read_config(args.draft).draft_vocab_size)
-    if args.prompts:
-        prompts = read_prompts(args.prompts)
-    else:
-        prompts = [[{"role": "user", "content": p}] for p in
-                   ([args.prompt] if args.prompt is not None else DEFAULT_PROMPTS)]
-    target, tok = load_target(args.target, dtype, args.device, args.trust_remote_code)
-    draft = pack_linears(load_draft_for(args.draft, target, dtype))  # CPU: faster small matmuls
-    pack_linears(target)
-    stop = stop_token_ids(tok, target.config)
-    spec = Speculator(target, draft, args.steps, args.topk, args.num_draft_tokens,
-                      args.temperature, args.top_p, stop, args.sglang_positions)
-    records, mismatches = [], 0
-    gen = torch.Generator().manual_seed(args.seed)
-    for i, msgs in enumerate(prompts):
-        ids = chat_prompt_ids(tok, msgs)
-        out, s = spec.generate(ids, args.max_new_tokens, gen)
-        rec = {"prompt": msgs[-1]["content"], "tokens": out, "text": tok.decode(out), **s}
-        if args.check:
-            ref, rs = target_generate(target, ids, args.max_new_tokens, stop_ids=stop)
-            rec.update(plain_tokens_per_s=rs["tokens_per_s"] if "tokens_per_s" in rs else
-                       rs["new_tokens"] / rs["time"], matches_target=ref == out)
-            mismatches += ref != out
-            if ref != out:
-                rec["first_divergence"], rec["target_logit_gap"] = divergence(target, ids, ref, out)
-        records.append(rec)
-        if not args.quiet:
-            print(f"\n### {rec['prompt'][:200]}\n{rec['text']}")
-        line = (f"[{i + 1}/{len(prompts)}] {s['new_tokens']} tokens, accept length "
-                f"{s['accept_length']:.2f}, {s['tokens_per_s']:.1f} tok/s")
-        if args.check:
-            line += (f" (plain {rec['plain_tokens_per_s']:.1f} tok/s, "
-                     f"{'identical' if rec['matches_target'] else 'DIFFERENT'})")
-            if not rec["matches_target"]:
-                line += (f": first at token {rec['first_divergence']}, where the target's own "
-                         f"logits for the two tokens differ by {rec['target_logit_gap']:.3f}")
-        print(line, file=sys.stderr)
+    return args, dtype, why
+
+
+def decode_prompt(spec, tok, msgs, args, gen):
+    """One prompt: speculative decoding, and with --check the target's own greedy decoding of it
+    (the reference the output must equal token for token)."""
+    from common import chat_prompt_ids
+    ids = chat_prompt_ids(tok, msgs)
+    out, s = spec.generate(ids, args.max_new_tokens, gen)
+    rec = {"prompt": msgs[-1]["content"], "tokens": out, "text": tok.decode(out), **s}
+    if args.check:
+        ref, rs = target_generate(spec.target, ids, args.max_new_tokens, stop_ids=spec.stop)
+        rec.update(plain_tokens_per_s=rs["new_tokens"] / rs["time"], matches_target=ref == out)
+        if ref != out:
+            rec["first_divergence"], rec["target_logit_gap"] = divergence(spec.target, ids, ref, out)
+    return rec
+
+
+def progress_line(i, n, rec, check):
+    line = (f"[{i + 1}/{n}] {rec['new_tokens']} tokens, accept length "
+            f"{rec['accept_length']:.2f}, {rec['tokens_per_s']:.1f} tok/s")
+    if check:
+        line += (f" (plain {rec['plain_tokens_per_s']:.1f} tok/s, "
+                 f"{'identical' if rec['matches_target'] else 'DIFFERENT'})")
+        if not rec["matches_target"]:
+            line += (f": first at token {rec['first_divergence']}, where the target's own "
+                     f"logits for the two tokens differ by {rec['target_logit_gap']:.3f}")
+    return line
+
+
+def summarize(records, args, spec):
+    """Pooled over prompts. Accept length = all generated tokens / all verify rounds (SGLang's and
+    SpecForge's figure); the mean of the per-prompt ratios is reported beside it under its own name."""
     tot_tokens = sum(r["new_tokens"] for r in records)
     tot_rounds = sum(r["rounds"] for r in records)
     tot_time = sum(r["time"] for r in records)
-    # accept length, pooled: all generated tokens / all verify rounds (SGLang's and SpecForge's
-    # figure); the mean of the per-prompt ratios is reported beside it under its own name
     summary = {"prompts": len(records), "new_tokens": tot_tokens, "rounds": tot_rounds,
                "accept_length": tot_tokens / max(tot_rounds, 1),
                "per_prompt_mean_accept_length":
@@ -570,25 +558,58 @@ def main():
                "verify_time": sum(r["verify_time"] for r in records),
                "steps": args.steps, "topk": args.topk,
                "num_draft_tokens": spec.num_draft_tokens, "dtype": args.dtype}
-    pa = [sum(r["position_acceptance"][j] * r["rounds"] for r in records) / max(tot_rounds, 1)
-          for j in range(args.steps)]
-    summary["position_acceptance"] = pa
-    print(f"\naccept length {summary['accept_length']:.3f} ({tot_tokens} tokens / {tot_rounds} "
-          f"verify rounds; per-prompt mean accept length "
-          f"{summary['per_prompt_mean_accept_length']:.3f}); "
-          f"per-position acceptance {' '.join(f'{a:.2f}' for a in pa)}; "
-          f"{summary['tokens_per_s']:.1f} tok/s (draft {summary['draft_time']:.1f}s, "
-          f"verify {summary['verify_time']:.1f}s)")
+    summary["position_acceptance"] = [
+        sum(r["position_acceptance"][j] * r["rounds"] for r in records) / max(tot_rounds, 1)
+        for j in range(args.steps)]
     if args.check:
+        mismatches = sum(not r["matches_target"] for r in records)
         plain = tot_tokens / sum(r["new_tokens"] / r["plain_tokens_per_s"] for r in records)
         summary.update(mismatches=mismatches, plain_tokens_per_s=plain)
-        print(f"check: {len(records) - mismatches}/{len(records)} outputs identical to the "
-              f"target's greedy decoding; plain {plain:.1f} tok/s, "
-              f"speedup {summary['tokens_per_s'] / plain:.2f}x")
+    return summary
+
+
+def report(summary, check):
+    s = summary
+    print(f"\naccept length {s['accept_length']:.3f} ({s['new_tokens']} tokens / {s['rounds']} "
+          f"verify rounds; per-prompt mean accept length {s['per_prompt_mean_accept_length']:.3f}); "
+          f"per-position acceptance {' '.join(f'{a:.2f}' for a in s['position_acceptance'])}; "
+          f"{s['tokens_per_s']:.1f} tok/s (draft {s['draft_time']:.1f}s, verify {s['verify_time']:.1f}s)")
+    if check:
+        print(f"check: {s['prompts'] - s['mismatches']}/{s['prompts']} outputs identical to the "
+              f"target's greedy decoding; plain {s['plain_tokens_per_s']:.1f} tok/s, "
+              f"speedup {s['tokens_per_s'] / s['plain_tokens_per_s']:.2f}x")
+
+
+def main():
+    from common import (atomic_write_text, load_target, machine_summary, pack_linears, read_prompts,
+                        stop_token_ids)
+    from draft_config import read_config
+    from model import load_draft_for
+    args, dtype, why = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
+    check_spec_args(args.steps, args.topk, args.num_draft_tokens, read_config(args.draft).draft_vocab_size)
+    prompts = (read_prompts(args.prompts) if args.prompts else
+               [[{"role": "user", "content": p}] for p in
+                ([args.prompt] if args.prompt is not None else DEFAULT_PROMPTS)])
+    target, tok = load_target(args.target, dtype, args.device, args.trust_remote_code)
+    draft = pack_linears(load_draft_for(args.draft, target, dtype))  # CPU: faster small matmuls
+    pack_linears(target)
+    spec = Speculator(target, draft, args.steps, args.topk, args.num_draft_tokens, args.temperature,
+                      args.top_p, stop_token_ids(tok, target.config), args.sglang_positions)
+    gen = torch.Generator().manual_seed(args.seed)
+    records = []
+    for i, msgs in enumerate(prompts):
+        records.append(decode_prompt(spec, tok, msgs, args, gen))
+        if not args.quiet:
+            print(f"\n### {records[-1]['prompt'][:200]}\n{records[-1]['text']}")
+        print(progress_line(i, len(prompts), records[-1], args.check), file=sys.stderr)
+    summary = summarize(records, args, spec)
+    report(summary, args.check)
     if args.json:
-        from common import atomic_write_text
         atomic_write_text(args.json, json.dumps({"summary": summary, "records": records}, indent=1))
-    if args.check and mismatches:
+    if args.check and summary["mismatches"]:
         if dtype != torch.float32:
             print(f"note: in {args.dtype}, verifying several tokens in one forward rounds differently "
                   f"from one-token decoding and can flip near-tied tokens; losslessness is exact "

@@ -150,9 +150,9 @@ MUTANTS = [
      "                if float(torch.rand((), generator=gen)) < p[x] ** 0.5:", [SAMPLING]),
     # ---- --check and bench must count mismatches ----
     ("check-mismatches-hard-wired-0", "speculate.py",
-     "            mismatches += ref != out", "            mismatches += 0", [LK + "::test_check_counts_a_broken_verifier_and_exits_1"]),
+     "        mismatches = sum(not r[\"matches_target\"] for r in records)", "        mismatches = 0", [LK + "::test_check_counts_a_broken_verifier_and_exits_1"]),
     ("check-never-exits-1", "speculate.py",
-     "    if args.check and mismatches:", "    if False:", [LK + "::test_check_counts_a_broken_verifier_and_exits_1"]),
+     "    if args.check and summary[\"mismatches\"]:", "    if False:", [LK + "::test_check_counts_a_broken_verifier_and_exits_1"]),
     ("bench-mismatches-hard-wired-0", "bench.py",
      "                       else sum(not r[\"match\"] for r in records)),",
      "                       else 0),", [LK + "::test_bench_counts_mismatches"]),
