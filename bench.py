@@ -441,15 +441,9 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    import torch
-    from common import machine_summary, resolve_dtype
-    dtype, why = resolve_dtype(args.dtype, args.device or ("cuda" if torch.cuda.is_available()
-                                                           else "cpu"))
-    print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
-
-    # Everything a user can get wrong is checked before any model is loaded.
+def check_inputs(args):
+    """Everything a user can get wrong, checked before any model is loaded:
+    (configs, need_draft, target_dir, benches, compare)."""
     configs = list(dict.fromkeys(parse_config(c) for c in args.config_list))
     if args.backend == "torch":
         big = [c.label for c in configs if c.batch_size != 1]
@@ -484,37 +478,44 @@ def main(argv=None):
     for label, items in benches:
         if not items:
             raise UserError(f"--benchmark-list: {label} has no prompts")
+    return configs, need_draft, target_dir, benches, compare
 
-    from common import stop_token_ids
-    if args.backend == "torch":
-        from common import load_target, pack_linears
-        from model import load_draft_for
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        target, tok = load_target(target_dir, dtype, device, args.trust_remote_code)
-        pack_linears(target)  # CPU: faster small matmuls (common.py); peers share the same model
-        stop = stop_token_ids(tok, target.config)
-        draft = pack_linears(load_draft_for(args.draft, target, dtype)) if need_draft else None
-        records, runners = run_torch(args, benches, configs, target, tok, draft, stop)
-        per = {label: {r.name: dict(summarise_torch(recs[r.name], r),
-                                    kind=r.kind, cfg=r.cfg) for r in runners}
-               for label, recs in records.items()}
-    else:
-        from common import load_config, load_tokenizer
-        from sglang_engine import sglang_device
-        device = sglang_device()   # "cpu" with SGLANG_USE_CPU_ENGINE=1
-        tok = load_tokenizer(target_dir, args.trust_remote_code)
-        stop = stop_token_ids(tok, load_config(target_dir, args.trust_remote_code))
-        # Ctrl-C and SIGTERM both unwind through launched_server's finally, killing the server
-        old_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            from bench_sglang import run_sglang
-            per = run_sglang(args, benches, configs, tok, stop, target_dir)
-        finally:
-            signal.signal(signal.SIGTERM, old_handler)
-        for entries in per.values():
-            for c in configs:
-                entries[c.label].update(kind="eagle3" if c.speculative else "baseline", cfg=c)
 
+def bench_torch(args, benches, configs, need_draft, target_dir, dtype, device):
+    """Every config and peer in this process: {benchmark: {config: summary}}."""
+    from common import load_target, pack_linears, stop_token_ids
+    from model import load_draft_for
+    target, tok = load_target(target_dir, dtype, device, args.trust_remote_code)
+    pack_linears(target)  # CPU: faster small matmuls (common.py); peers share the same model
+    stop = stop_token_ids(tok, target.config)
+    draft = pack_linears(load_draft_for(args.draft, target, dtype)) if need_draft else None
+    records, runners = run_torch(args, benches, configs, target, tok, draft, stop)
+    return {label: {r.name: dict(summarise_torch(recs[r.name], r), kind=r.kind, cfg=r.cfg)
+                    for r in runners}
+            for label, recs in records.items()}
+
+
+def bench_sglang(args, benches, configs, target_dir):
+    """Every config against an SGLang server (launched here, or --skip-launch-server's)."""
+    from common import load_config, load_tokenizer, stop_token_ids
+    tok = load_tokenizer(target_dir, args.trust_remote_code)
+    stop = stop_token_ids(tok, load_config(target_dir, args.trust_remote_code))
+    # Ctrl-C and SIGTERM both unwind through launched_server's finally, killing the server
+    old_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        from bench_sglang import run_sglang
+        per = run_sglang(args, benches, configs, tok, stop, target_dir)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+    for entries in per.values():
+        for c in configs:
+            entries[c.label].update(kind="eagle3" if c.speculative else "baseline", cfg=c)
+    return per
+
+
+def results_payload(args, argv, per, dtype, target_dir, device):
+    """The JSON written: one entry per (benchmark, config), each with its full settings, plus what
+    ran it (command, target and draft hashes, machine, library versions)."""
     settings = {"backend": args.backend, "dtype": str(dtype).replace("torch.", ""),
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "repeats": args.repeats, "seed": args.seed,
@@ -531,13 +532,30 @@ def main(argv=None):
                 settings, batch_size=c.batch_size if c else 1,
                 num_steps=c.steps if c else None, topk=c.topk if c else None,
                 num_draft_tokens=c.num_draft_tokens if c else None)})
-    payload = {"command": sys.argv if argv is None else ["bench.py", *argv],
-               "target": model_identity(target_dir), "draft": model_identity(args.draft),
-               "machine": machine_info(device), "versions": versions(args.backend),
-               "settings": settings, "results": results}
-    print(format_table(results))
+    return {"command": sys.argv if argv is None else ["bench.py", *argv],
+            "target": model_identity(target_dir), "draft": model_identity(args.draft),
+            "machine": machine_info(device), "versions": versions(args.backend),
+            "settings": settings, "results": results}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    from common import machine_summary, resolve_dtype
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, why = resolve_dtype(args.dtype, device)
+    print(f"dtype {why}; machine: {machine_summary()}", file=sys.stderr)
+    configs, need_draft, target_dir, benches, compare = check_inputs(args)
+    if args.backend == "torch":
+        per = bench_torch(args, benches, configs, need_draft, target_dir, dtype, device)
+    else:
+        from sglang_engine import sglang_device
+        device = sglang_device()   # "cpu" with SGLANG_USE_CPU_ENGINE=1
+        per = bench_sglang(args, benches, configs, target_dir)
+    payload = results_payload(args, argv, per, dtype, target_dir, device)
+    print(format_table(payload["results"]))
     if compare is not None:
-        print(format_comparison(results, compare, args.compare))
+        print(format_comparison(payload["results"], compare, args.compare))
     png = args.plot or os.path.splitext(args.output)[0] + ".png"
     write_outputs(payload, args.output, png)
     print(f"wrote {args.output} and {png}", file=sys.stderr)
