@@ -501,7 +501,7 @@ def export_layout(args):
               f"so only vLLM serves {args.out} as trained (speculate.py reads it right)")
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("draft", nargs="?", help="a saved draft directory to describe")
@@ -524,16 +524,11 @@ def main(argv=None):
                     help="check the draft against its engines (and --target): doctor.py")
     ap.add_argument("--export", choices=["sglang", "speculators"],
                     help="write the draft in this layout to --out (layouts.py); exact round trip")
-    args = ap.parse_args(argv)
-    if args.draft and args.doctor:
-        import doctor
-        return doctor.main(args.draft, args.target, args.trust_remote_code)
-    if args.draft and args.export:
-        return export_layout(args)
-    if args.draft:
-        return describe(args.draft)
-    if args.export or args.doctor:
-        raise UserError("--export / --doctor need a draft directory: python model.py DRAFT ...")
+    return ap.parse_args(argv)
+
+
+def create(args):
+    """A fresh (untrained) draft for --target, written to --out (or described, --dry-run)."""
     args.target = args.target or "default"
     if not args.out and not args.dry_run:
         raise UserError("give a draft directory to describe, or --out DIR to create a draft")
@@ -561,6 +556,20 @@ def main(argv=None):
     draft.save_pretrained(args.out, dtype=parse_dtype(args.dtype))
     print(f"wrote an untrained draft to {args.out}: {n:,} parameters, layers {cfg.aux_layer_ids}, "
           f"draft vocab {cfg.draft_vocab_size}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.draft and args.doctor:
+        import doctor
+        return doctor.main(args.draft, args.target, args.trust_remote_code)
+    if args.draft and args.export:
+        return export_layout(args)
+    if args.draft:
+        return describe(args.draft)
+    if args.export or args.doctor:
+        raise UserError("--export / --doctor need a draft directory: python model.py DRAFT ...")
+    return create(args)
 
 
 if __name__ == "__main__":
