@@ -10,7 +10,8 @@ sys.path, and it runs its atexit handlers. The forkserver itself never runs a to
 OpenMP pool exists when it forks; OMP_NUM_THREADS from the run's environment sets torch's threads.
 
 What a fork cannot give: the interpreter's own startup. A run whose environment changes PYTHONPATH
-(a sitecustomize), `-c`/`-m`, or a test that signals its child, uses subprocess directly.
+(a sitecustomize), `-c`/`-m`, a test that signals its child, or a platform without forkserver
+(Windows) uses subprocess directly.
 """
 import atexit
 import json
@@ -98,7 +99,8 @@ def run_script(argv, cwd=None, env=None, timeout=300):
     cwd = os.getcwd() if cwd is None else str(cwd)
     env = dict(os.environ if env is None else env)
     cmd = [sys.executable, *argv]
-    if not argv[0].endswith(".py") or env.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
+    if (not argv[0].endswith(".py") or env.get("PYTHONPATH") != os.environ.get("PYTHONPATH")
+            or "forkserver" not in multiprocessing.get_all_start_methods()):   # e.g. Windows
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     ctx, sys_path = _context()
     with tempfile.TemporaryDirectory() as d:
