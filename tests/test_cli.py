@@ -136,3 +136,36 @@ def test_committed_draft_is_lossless_and_accepts(sea_poem, draft):
     out, s = Speculator(target, d, 3, 1, 4, stop_ids=stop).generate(ids, 48, torch.Generator().manual_seed(0))
     assert out == ref
     assert s["accept_length"] > 1.2, s
+
+
+def test_default_target_converts_once_when_two_start_together(tmp_path, monkeypatch):
+    """Two processes (two scripts, two test workers) on an empty cache: one converts the GGUF, the
+    other waits on the lock and finds the finished directory, never a half-written or deleted one.
+    Threads stand in for processes: flock locks an open file, so two opens exclude each other."""
+    import threading
+    import time
+    import common
+    calls = []
+
+    def slow_convert(gguf_dir, out):
+        calls.append(out)
+        time.sleep(0.3)   # a window in which the other caller must wait, not convert
+        tmp = str(tmp_path / "half")
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write("{}")
+        os.replace(tmp, out)
+
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(common, "convert_gguf", slow_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(common.default_target_dir()))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    assert got == [out, out]
+    assert calls == [out], calls   # converted once
+    assert os.path.exists(os.path.join(out, "config.json"))

@@ -409,6 +409,9 @@ def round_sizes(spec_stats):
     return sizes
 
 
+# Under `pytest -n 2 --dist loadgroup` (.ci/run's SGLang half) both cases run in one worker, so
+# the module fixtures above (a ~3-minute reference decode, a plain SGLang server) are built once.
+@pytest.mark.xdist_group("shipped_draft")
 @pytest.mark.parametrize("steps,topk,n_draft,tol", [(3, 1, 4, 0.02), (3, 4, 8, 0.03)],
                          ids=["chain-3-1-4", "tree-3-4-8"])
 def test_sglang_eagle3_worker_serves_shipped_draft(steps, topk, n_draft, tol, shipped_reference,
