@@ -289,6 +289,17 @@ MUTANTS = [
     ("fc-norm-skipped", "model.py",
      "        if self.fc_norm is not None:\n            parts", "        if False:\n            parts",
      ["tests/test_layouts.py"]),
+    # ---- the training loop's steps (session 29's split of train_loop) ----
+    ("ctrl-c-flag-not-shared", "train.py",
+     "             1.0 if stop_here else 0.0]", "             0.0]",
+     [TRAIN + "::test_ctrl_c_saves_and_resume_gives_identical_weights"]),
+    ("nan-step-applied", "train.py",
+     "    if bad:\n        raise UserError(f\"step {step}: loss",
+     "    if False:\n        raise UserError(f\"step {step}: loss",
+     [TRAIN + "::test_nan_loss_stops_and_keeps_last_good_checkpoint"]),
+    ("init-run-skips-step-0-eval", "train.py",
+     "    if r.eval_batches and r.start == 0 and args.init:",
+     "    if False:", ["tests/test_levers.py::test_continued_run_evaluates_its_start"]),
 ]
 
 
