@@ -591,9 +591,13 @@ class LogWindow:
     steps with the window's tokens/s and the share of it spent waiting for hidden states."""
 
     def __init__(self, r):
-        self.r, J = r, r.args.ttt_length
+        self.r = r
+        self.reset()
+
+    def reset(self):
+        J = self.r.args.ttt_length
         self.stats, self.replay = torch.zeros(3, J), torch.zeros(2)
-        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, r.source.wait
+        self.t0, self.tokens, self.wait0 = time.perf_counter(), 0, self.r.source.wait
 
     def add(self, packed, n_tok):
         J = self.r.args.ttt_length
@@ -613,7 +617,7 @@ class LogWindow:
         if r.bar is not None:
             r.bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_j'][0]:.2f}",
                               al3=f"{m['accept_len_3']:.2f}", wait=f"{rec['data_wait']:.0%}")
-        self.__init__(r)
+        self.reset()
 
 
 def held_out_eval(r, step):

@@ -331,6 +331,38 @@ def test_target_side_only_needed_rows():
 # ----------------------------------------------------------------------------------------------
 # The loop
 
+def test_log_window_sums_only_its_own_steps(tmp_path):
+    """Each training log line is the metrics of the steps since the previous line: the window
+    sums their statistics, then starts again (not a running total since step 0)."""
+    from types import SimpleNamespace
+    import train
+    J = 3
+    r = SimpleNamespace(args=SimpleNamespace(ttt_length=J), source=SimpleNamespace(wait=0.0),
+                        scheds=[SimpleNamespace(get_last_lr=lambda: [1e-3])], rank=0, bar=None,
+                        log_path=str(tmp_path / "log.jsonl"), tokens_seen=0)
+    gen = torch.Generator().manual_seed(0)
+
+    def step_stats():   # [ce, correct, rows] per TTT step, then the replay's (accepted, rounds)
+        n = torch.randint(20, 40, (J,), generator=gen).float()
+        correct = (n * torch.rand(J, generator=gen)).floor()
+        ce = n * (1 + torch.rand(J, generator=gen))
+        return torch.cat([torch.stack([ce, correct, n]).flatten(), torch.randint(10, 40, (2,), generator=gen).float()])
+
+    steps = [step_stats() for _ in range(5)]
+    w = train.LogWindow(r)
+    for lo, hi in [(0, 2), (2, 5)]:                # two windows: steps 0-1, then 2-4
+        for st in steps[lo:hi]:
+            w.add(st, 100)
+        w.flush(hi, torch.tensor(1.0))
+    lines = read_log(str(tmp_path))
+    for line, (lo, hi) in zip(lines, [(0, 2), (2, 5)]):
+        tot = sum(steps[lo:hi])
+        want = ttt.metrics(tot[:3 * J].view(3, J), tot[3 * J:])
+        assert line["acc_j"] == pytest.approx(want["acc_j"]) and line["loss"] == pytest.approx(want["loss"])
+        assert line["replay_accept_3"] == pytest.approx(want["replay_accept_3"])
+    assert len(lines) == 2
+
+
 def test_offline_run_exports_loadable_draft_and_learns(tmp_path, data_dir, target_dir):
     out = str(tmp_path / "run")
     p = run_train(["--data", data_dir, "--out", out, "--offline", "--batch-size", "2",
