@@ -497,6 +497,7 @@ def train_loop(r):
     """Steps from r.start to r.stop_at: each one a train_step, then, on their own schedules, a
     training log line, a held-out eval and a checkpoint. Ctrl-C / SIGTERM finish the step, save
     and exit 130 (all ranks agree on when: the flag travels in the step's all-reduce)."""
+    from common import parse_dtype
     args, rank = r.args, r.rank
     stop = catch_stop_signals()
     r.bar = None
@@ -506,6 +507,7 @@ def train_loop(r):
                      desc="train")
     r.last_ckpt = list_checkpoints(args.out)[-1] if r.start else None
     r.best_replay = best_so_far(args.out) if r.start else float("-inf")
+    r.export_dtype = parse_dtype(args.export_dtype)
     if r.eval_batches and r.start == 0 and args.init:
         # the starting draft's own held-out numbers, step 0: where a continued run's curve
         # begins, and --keep-best's answer if training on never beats it
@@ -628,34 +630,26 @@ def held_out_eval(r, step):
     log(r, {"step": step, "split": "eval", "tokens": r.tokens_seen, **m})
     if r.args.keep_best and m["replay_accept_3"] > r.best_replay:
         r.best_replay = m["replay_accept_3"]
-        save_best(r.args.out, step, r.module, r.cfg, r.rank, export_dtype(r), m)
+        save_best(r.args.out, step, r.module, r.cfg, r.rank, r.export_dtype, m)
     if r.rank == 0:
         write_plots(r.args.out, r.log_path)
-        say(r, f"eval step {step}: loss {m['loss']:.3f}, acc "
+        msg = (f"eval step {step}: loss {m['loss']:.3f}, acc "
                f"{' '.join(f'{a:.2f}' for a in m['acc_j'])}, accept length (3 drafts) "
                f"{m['accept_len_3']:.2f} simulated, {m['replay_accept_3']:.2f} replayed")
+        # through the bar when there is one, so the line does not break it
+        (r.bar.write(msg, file=sys.stderr) if r.bar is not None else print(msg, file=sys.stderr))
 
 
 def checkpoint(r, step):
     data_pos = {"next_step": step, "tokens": r.tokens_seen, **r.batches(step)[1]}
     return save_checkpoint(r.args.out, step, r.module, r.opts, r.scheds, data_pos, r.args, r.cfg,
-                           r.vocab["draft_ids"], r.rank, r.args.keep, export_dtype(r))
-
-
-def export_dtype(r):
-    from common import parse_dtype
-    return parse_dtype(r.args.export_dtype)
+                           r.vocab["draft_ids"], r.rank, r.args.keep, r.export_dtype)
 
 
 def log(r, rec):
     if r.rank == 0:
         with open(r.log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-
-
-def say(r, msg):
-    """A line on stderr that does not break the progress bar."""
-    (r.bar.write(msg, file=sys.stderr) if r.bar is not None else print(msg, file=sys.stderr))
 
 
 def same_target(a, b):

@@ -2,8 +2,8 @@
 without paying for the imports again.
 
 Why: a fresh interpreter spends ~9 s on a 2-core AVX2 EPYC importing torch and transformers before
-a script's first line, and the default suite started Python 108 times: 1056 s of its 1539 s there.
-Now 997 s. Here each run is a process forked from a server that imported
+a script's first line, and the default suite started Python 108 times: 1056 s of its 1539 s there
+(997 s with this helper, in one process). Here each run is a process forked from a server that imported
 them once (multiprocessing's forkserver, modules preloaded). It is still a process of its own, as a
 user's would be: its own exit status, stdout and stderr, environment, working directory, argv and
 sys.path, and it runs its atexit handlers. The forkserver itself never runs a torch op, so no
