@@ -169,3 +169,22 @@ def test_default_target_converts_once_when_two_start_together(tmp_path, monkeypa
     assert got == [out, out]
     assert calls == [out], calls   # converted once
     assert os.path.exists(os.path.join(out, "config.json"))
+
+
+def test_default_target_converts_without_fcntl(tmp_path, monkeypatch):
+    """Where fcntl does not exist (not POSIX) the conversion runs unlocked, and still once."""
+    import sys
+    import common
+    calls = []
+
+    def convert(gguf_dir, out):
+        calls.append(out)
+        os.makedirs(out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write("{}")
+
+    monkeypatch.setitem(sys.modules, "fcntl", None)     # `import fcntl` raises ImportError
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(common, "convert_gguf", convert)
+    out = common.default_target_dir()
+    assert common.default_target_dir() == out and calls == [out]
