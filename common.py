@@ -463,7 +463,9 @@ def parse_conversation(obj):
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object")
     if "prompt" in obj and not ("messages" in obj or "conversations" in obj):
-        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+        if not isinstance(obj["prompt"], str):
+            raise ValueError(f'"prompt" must be a string, got {type(obj["prompt"]).__name__}')
+        if not obj["prompt"].strip():
             raise ValueError("empty prompt")
         return [{"role": "user", "content": obj["prompt"]}]
     # (role, content, truncated): generate.py marks an answer cut at --max-new-tokens

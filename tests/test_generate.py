@@ -324,6 +324,9 @@ def test_read_conversations_shapes_and_bad_lines(tmp_path):
     path3 = write_jsonl(tmp_path / "r.jsonl", [{"messages": [{"role": "assistant", "content": "x"}]}])
     with pytest.raises(UserError, match="r.jsonl:1: no user turn"):
         generate.read_conversations(path3)
+    path4 = write_jsonl(tmp_path / "s.jsonl", [{"prompt": 3}])
+    with pytest.raises(UserError, match='s.jsonl:1: "prompt" must be a string, got int'):
+        generate.read_conversations(path4)
 
 
 def test_skeleton_replaces_every_assistant_turn():
