@@ -501,6 +501,39 @@ def export_layout(args):
               f"so only vLLM serves {args.out} as trained (speculate.py reads it right)")
 
 
+def average(args):
+    """--average: the uniform mean of several checkpoints' weights, written as one draft (LAWA,
+    "latest weight averaging"). Late checkpoints of one run sit in one basin, each a noisy sample
+    of where the optimizer wanders; their mean lands nearer its centre than any one of them. The
+    checkpoints must be one draft: same config, same vocabulary map (d2t), same tensors."""
+    if not args.out:
+        raise UserError("--average needs --out DIR")
+    if len(args.average) < 2:
+        raise UserError("--average needs two or more checkpoint directories")
+    cfg0 = read_config(args.average[0])
+    embed = torch.zeros(cfg0.vocab_size, cfg0.hidden_size)   # only lets a draft without one load
+    total, d2t = None, None
+    for path in args.average:
+        cfg = read_config(path)
+        if cfg.to_sglang_json() != cfg0.to_sglang_json():
+            raise UserError(f"{os.path.join(path, CONFIG_NAME)}: differs from "
+                            f"{os.path.join(args.average[0], CONFIG_NAME)}; expected checkpoints of one draft")
+        sd = Eagle3Draft.from_pretrained(path, embed_weight=embed).export_state_dict()
+        if d2t is not None and not torch.equal(sd["d2t"], d2t):
+            raise UserError(f"{path}: its d2t (draft vocabulary) differs from {args.average[0]}'s")
+        d2t = sd["d2t"]
+        sd = {k: v.double() for k, v in sd.items() if v.is_floating_point()}   # the sum in fp64
+        total = sd if total is None else {k: total[k] + v for k, v in sd.items()}
+    from safetensors import safe_open
+    with safe_open(os.path.join(args.average[0], WEIGHTS_NAME), "pt") as f:   # write the checkpoints'
+        dtype = next(t.dtype for t in map(f.get_tensor, f.keys()) if t.is_floating_point())  # dtype
+    draft = Eagle3Draft.from_pretrained(args.average[0], embed_weight=embed)
+    own = draft.state_dict()      # (export_state_dict's vLLM norm copies are not module tensors)
+    draft.load_state_dict({k: v / len(args.average) for k, v in total.items() if k in own}, strict=False)
+    draft.save_pretrained(args.out, dtype=dtype)
+    print(f"wrote the mean of {len(args.average)} checkpoints to {args.out} ({str(dtype)[6:]})")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -524,6 +557,9 @@ def parse_args(argv=None):
                     help="check the draft against its engines (and --target): doctor.py")
     ap.add_argument("--export", choices=["sglang", "speculators"],
                     help="write the draft in this layout to --out (layouts.py); exact round trip")
+    ap.add_argument("--average", nargs="+", metavar="CKPT",
+                    help="write the mean of these checkpoints' weights to --out (e.g. the last "
+                         "quarter of a run's checkpoints/step-*)")
     return ap.parse_args(argv)
 
 
@@ -560,6 +596,11 @@ def create(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.average:
+        if args.draft or args.export or args.doctor:
+            raise UserError("--average takes its checkpoints after the flag: "
+                            "python model.py --average CKPT CKPT ... --out DIR")
+        return average(args)
     if args.draft and args.doctor:
         import doctor
         return doctor.main(args.draft, args.target, args.trust_remote_code)

@@ -53,6 +53,49 @@ def test_model_cli_creates_and_describes(tmp_path):
                       "--draft-vocab-size")
 
 
+def test_model_cli_averages_checkpoints(tmp_path, default_cfg):
+    """--average writes the elementwise mean of the checkpoints' weights (every tensor, two decoder
+    layers so the vLLM norm copies are exercised) and refuses checkpoints of different drafts."""
+    from safetensors.torch import load_file
+    from model import Eagle3Draft
+    paths = [make_draft(tmp_path / f"c{i}", default_cfg, num_hidden_layers=2) for i in range(3)]
+    # make_draft seeds 0 every time: give each checkpoint its own weights, as a run's steps would have
+    emb = torch.zeros(default_cfg.vocab_size, default_cfg.hidden_size)
+    for i, p in enumerate(paths):
+        d = Eagle3Draft.from_pretrained(p, embed_weight=emb)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(100 + i)
+            for name, t in d.named_parameters():
+                if name != "embed_tokens.weight":
+                    t.add_(torch.randn(t.shape, generator=g))
+        d.save_pretrained(p)
+    r = run("model.py", "--average", *paths, "--out", str(tmp_path / "avg"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    sds = [load_file(os.path.join(p, "model.safetensors")) for p in paths]
+    got = load_file(str(tmp_path / "avg" / "model.safetensors"))
+    assert set(got) == set(sds[0]) and "layers.1.input_layernorm.weight" in got
+    for k, v in got.items():
+        if v.is_floating_point():
+            want = (sum(sd[k].double() for sd in sds) / 3).to(v.dtype)
+            assert torch.equal(v, want), k
+            assert not torch.equal(v, sds[-1][k]), k
+        else:
+            assert torch.equal(v, sds[0][k]), k
+    # a different vocabulary map is another draft: refused, naming the file
+    other = Eagle3Draft.from_pretrained(paths[0], embed_weight=emb)
+    ids = torch.arange(256) * 2
+    other.d2t.copy_(ids - torch.arange(256))
+    other.t2d.zero_()
+    other.t2d[ids] = True
+    other.save_pretrained(str(tmp_path / "other"))
+    assert_user_error(run("model.py", "--average", paths[0], str(tmp_path / "other"),
+                          "--out", str(tmp_path / "x")), "other", "d2t")
+    assert_user_error(run("model.py", "--average", paths[0], "--out", str(tmp_path / "x")),
+                      "two or more")
+    assert_user_error(run("model.py", "--average", *paths), "--out")
+    assert not (tmp_path / "x").exists()
+
+
 SHIPPED_DRAFT = os.path.join(ROOT, "drafts", "smollm2-135m-eagle31-3k")   # README's main command
 
 
