@@ -304,6 +304,14 @@ MUTANTS = [
     ("init-run-skips-step-0-eval", "train.py",
      "    if r.eval_batches and r.start == 0 and args.init:",
      "    if False:", ["tests/test_levers.py::test_continued_run_evaluates_its_start"]),
+    # ---- model.py --average (session 32) ----
+    ("average-keeps-the-last", "model.py",
+     "        total = sd if total is None else {k: total[k] + v for k, v in sd.items()}",
+     "        total = {k: v * len(args.average) for k, v in sd.items()}",
+     ["tests/test_cli.py::test_model_cli_averages_checkpoints"]),
+    ("average-ignores-vocab-map", "model.py",
+     "        if d2t is not None and not torch.equal(sd[\"d2t\"], d2t):",
+     "        if False:", ["tests/test_cli.py::test_model_cli_averages_checkpoints"]),
 ]
 
 
