@@ -504,8 +504,9 @@ def export_layout(args):
 def average(args):
     """--average: the uniform mean of several checkpoints' weights, written as one draft (LAWA,
     "latest weight averaging"). Late checkpoints of one run sit in one basin, each a noisy sample
-    of where the optimizer wanders; their mean lands nearer its centre than any one of them. The
-    checkpoints must be one draft: same config, same vocabulary map (d2t), same tensors."""
+    of where the optimizer wanders; their mean lands nearer its centre. That pays only once a run
+    stops improving: a run still climbing is best at its last step (results/RUNS.md, session 32:
+    every mean lost to it). The checkpoints must be one draft: same config, vocabulary map, tensors."""
     if not args.out:
         raise UserError("--average needs --out DIR")
     if len(args.average) < 2:
