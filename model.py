@@ -513,13 +513,15 @@ def average(args):
         raise UserError("--average needs two or more checkpoint directories")
     cfg0 = read_config(args.average[0])
     embed = torch.zeros(cfg0.vocab_size, cfg0.hidden_size)   # only lets a draft without one load
-    total, d2t = None, None
+    total, d2t, first = None, None, None
     for path in args.average:
         cfg = read_config(path)
         if cfg.to_sglang_json() != cfg0.to_sglang_json():
             raise UserError(f"{os.path.join(path, CONFIG_NAME)}: differs from "
                             f"{os.path.join(args.average[0], CONFIG_NAME)}; expected checkpoints of one draft")
-        sd = Eagle3Draft.from_pretrained(path, embed_weight=embed).export_state_dict()
+        draft = Eagle3Draft.from_pretrained(path, embed_weight=embed)
+        first = draft if first is None else first    # the module the mean is written through
+        sd = draft.export_state_dict()
         if d2t is not None and not torch.equal(sd["d2t"], d2t):
             raise UserError(f"{path}: its d2t (draft vocabulary) differs from {args.average[0]}'s")
         d2t = sd["d2t"]
@@ -528,10 +530,9 @@ def average(args):
     from safetensors import safe_open
     with safe_open(os.path.join(args.average[0], WEIGHTS_NAME), "pt") as f:   # write the checkpoints'
         dtype = next(t.dtype for t in map(f.get_tensor, f.keys()) if t.is_floating_point())  # dtype
-    draft = Eagle3Draft.from_pretrained(args.average[0], embed_weight=embed)
-    own = draft.state_dict()      # (export_state_dict's vLLM norm copies are not module tensors)
-    draft.load_state_dict({k: v / len(args.average) for k, v in total.items() if k in own}, strict=False)
-    draft.save_pretrained(args.out, dtype=dtype)
+    own = first.state_dict()      # (export_state_dict's vLLM norm copies are not module tensors)
+    first.load_state_dict({k: v / len(args.average) for k, v in total.items() if k in own}, strict=False)
+    first.save_pretrained(args.out, dtype=dtype)
     print(f"wrote the mean of {len(args.average)} checkpoints to {args.out} ({str(dtype)[6:]})")
 
 
