@@ -229,6 +229,8 @@ def check_args(a):
         raise UserError(f"--eval-fraction {a.eval_fraction}: expected in [0, 1)")
     if not 0 <= a.warmup < 1:
         raise UserError(f"--warmup {a.warmup}: expected in [0, 1)")
+    if not 0 <= a.min_lr_ratio <= 1:   # below 0 the rate turns negative: gradient ascent
+        raise UserError(f"--min-lr-ratio {a.min_lr_ratio}: expected in [0, 1] (a share of --lr)")
     if a.offline and a.target_backend != "transformers":
         raise UserError("--target-backend runs the online producer; --offline reads stored states")
     if a.hidden_dtype not in ("float32", "bfloat16", "float16"):

@@ -133,6 +133,8 @@ def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
                  "--ttt-decay 0.0: expected in (0, 1]")
     expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--muon-lr", "3e-3"],
                  "--muon-lr 0.003: applies only with --optimizer muon")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--min-lr-ratio", "-0.1"],
+                 "--min-lr-ratio -0.1: expected in [0, 1] (a share of --lr)")
 
 
 def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():

@@ -1,0 +1,65 @@
+"""Session 33's lever: the cosine's floor (--min-lr-ratio) on the best recipe from nothing, arms
+side by side from the same seed on the same data (results/RUNS.md, Session 33). Reads each run's
+own log.jsonl and its checkpoints' evals on the fixed held-out set h41 (train.py --init CKPT
+--stop-at 1, results/levers-s33/h41eval.sh), writes summary.json and curves.png here.
+
+    python results/levers-s33/plot.py --runs /root/eagle3/runs
+"""
+import argparse
+import json
+import os
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ARMS = [("s33-base", "floor 0.1 (the recipe)"), ("s33-minlr03", "floor 0.3"),
+        ("s33-const", "floor 1.0 (constant after warmup)")]
+STEPS = (500, 750, 992)
+
+
+def log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="/root/eagle3/runs")
+    R = ap.parse_args().runs
+    out = {"own_split": {}, "lr": {}, "h41": {}}
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for i, (run, label) in enumerate(ARMS):
+        if not os.path.exists(os.path.join(R, run, "log.jsonl")):
+            continue
+        rows = log(os.path.join(R, run, "log.jsonl"))
+        ev = [(d["step"], d["replay_accept_3"]) for d in rows if d["split"] == "eval"]
+        lr = [(d["step"], d["lr"]) for d in rows if d["split"] == "train"]
+        out["own_split"][run], out["lr"][run] = ev, lr[-1]
+        ax[0].plot(*zip(*lr), label=label)
+        ax[1].plot(*zip(*ev), marker="o", label=label)
+        # h41: one eval directory per checkpoint, h41-s33-<run>-<step> (h41eval.sh's NAME)
+        h = {}
+        for s in STEPS:
+            p = os.path.join(R, f"h41-s33-{run}-{s}", "log.jsonl")
+            if os.path.exists(p):
+                h[s] = log(p)[0]["replay_accept_3"]
+        out["h41"][run] = h
+        if h:
+            ax[2].plot(list(h), list(h.values()), marker="o", color=f"C{i}", label=label)
+    ax[0].set(xlabel="step (2 sequences)", ylabel="learning rate", title="schedule")
+    ax[1].set(xlabel="step", ylabel="replayed accept length", title="own 31-conversation split")
+    ax[2].set(xlabel="step", ylabel="replayed accept length",
+              title="held-out h41 (90 conversations, 24,541 rows)")
+    for a in ax:
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "curves.png"), dpi=110)
+    with open(os.path.join(HERE, "summary.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out["h41"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
