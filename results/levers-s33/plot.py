@@ -1,7 +1,8 @@
 """Session 33's lever: the cosine's floor (--min-lr-ratio) on the best recipe from nothing, arms
 side by side from the same seed on the same data (results/RUNS.md, Session 33). Reads each run's
 own log.jsonl and its checkpoints' evals on the fixed held-out set h41 (train.py --init CKPT
---stop-at 1, results/levers-s33/h41eval.sh), writes summary.json and curves.png here.
+--stop-at 1, results/levers-s33/h41eval.sh), writes summary.json and curves.png here (or --out).
+Later sessions' arms on the same protocol reuse it with --arms RUN=LABEL ... --out DIR.
 
     python results/levers-s33/plot.py --runs /root/eagle3/runs
 """
@@ -27,10 +28,16 @@ def log(path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="/root/eagle3/runs")
-    R = ap.parse_args().runs
+    ap.add_argument("--arms", nargs="+", metavar="RUN=LABEL", default=None,
+                    help="runs to draw, in order; default: session 33's three floors")
+    ap.add_argument("--out", default=HERE, help="where summary.json and curves.png go")
+    args = ap.parse_args()
+    R, arms = args.runs, [tuple(x.split("=", 1)) for x in args.arms] if args.arms else ARMS
+    if any(len(x) != 2 for x in arms):
+        ap.error("--arms: expected RUN=LABEL pairs")
     out = {"own_split": {}, "lr": {}, "h41": {}}
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for i, (run, label) in enumerate(ARMS):
+    for i, (run, label) in enumerate(arms):
         if not os.path.exists(os.path.join(R, run, "log.jsonl")):
             continue
         rows = log(os.path.join(R, run, "log.jsonl"))
@@ -55,8 +62,8 @@ def main():
     for a in ax:
         a.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "curves.png"), dpi=110)
-    with open(os.path.join(HERE, "summary.json"), "w") as f:
+    fig.savefig(os.path.join(args.out, "curves.png"), dpi=110)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out["h41"], indent=1))
 
