@@ -172,7 +172,8 @@ def parse_args(argv=None):
     ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, share of --lr")
     ap.add_argument("--warmup", type=float, default=0.015, help="warmup share of the steps")
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--grad-clip", type=float, default=0.5)
+    ap.add_argument("--grad-clip", type=float, default=0.5,
+                    help="largest gradient norm of a step (inf: no clipping)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="autocast dtype of the draft's compute (auto: bf16 where the device "
                          "computes it natively, else fp32); weights stay fp32")
@@ -231,6 +232,10 @@ def check_args(a):
         raise UserError(f"--warmup {a.warmup}: expected in [0, 1)")
     if not 0 <= a.min_lr_ratio <= 1:   # below 0 the rate turns negative: gradient ascent
         raise UserError(f"--min-lr-ratio {a.min_lr_ratio}: expected in [0, 1] (a share of --lr)")
+    if not a.grad_clip > 0:   # clip_grad_norm_ scales by grad_clip / norm: 0 zeroes, < 0 flips it
+        raise UserError(f"--grad-clip {a.grad_clip}: expected > 0 (inf: no clipping)")
+    if not a.weight_decay >= 0 or not math.isfinite(a.weight_decay):
+        raise UserError(f"--weight-decay {a.weight_decay}: expected >= 0")
     if a.offline and a.target_backend != "transformers":
         raise UserError("--target-backend runs the online producer; --offline reads stored states")
     if a.hidden_dtype not in ("float32", "bfloat16", "float16"):

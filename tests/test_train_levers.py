@@ -135,6 +135,10 @@ def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
                  "--muon-lr 0.003: applies only with --optimizer muon")
     expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--min-lr-ratio", "-0.1"],
                  "--min-lr-ratio -0.1: expected in [0, 1] (a share of --lr)")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--grad-clip", "-1"],
+                 "--grad-clip -1.0: expected > 0 (inf: no clipping)")
+    expect_error(["--data", data_dir, "--out", str(tmp_path / "x"), "--weight-decay", "-0.1"],
+                 "--weight-decay -0.1: expected >= 0")
 
 
 def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():
