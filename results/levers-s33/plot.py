@@ -9,6 +9,7 @@ Later sessions' arms on the same protocol reuse it with --arms RUN=LABEL ... --o
 import argparse
 import json
 import os
+import re
 
 import matplotlib
 matplotlib.use("Agg")
@@ -17,7 +18,6 @@ import matplotlib.pyplot as plt
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = [("s33-base", "floor 0.1 (the recipe)"), ("s33-minlr03", "floor 0.3"),
         ("s33-const", "floor 1.0 (constant after warmup)")]
-STEPS = (500, 750, 992)
 
 
 def log(path):
@@ -31,33 +31,42 @@ def main():
     ap.add_argument("--arms", nargs="+", metavar="RUN=LABEL", default=None,
                     help="runs to draw, in order; default: session 33's three floors")
     ap.add_argument("--out", default=HERE, help="where summary.json and curves.png go")
+    ap.add_argument("--x", default="step", choices=["step", "tokens"],
+                    help="x axis: the step, or training tokens (arms whose steps differ: "
+                         "session 36's data subsets)")
     args = ap.parse_args()
     R, arms = args.runs, [tuple(x.split("=", 1)) for x in args.arms] if args.arms else ARMS
     if any(len(x) != 2 for x in arms):
         ap.error("--arms: expected RUN=LABEL pairs")
+    os.makedirs(args.out, exist_ok=True)
     out = {"own_split": {}, "lr": {}, "h41": {}}
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for i, (run, label) in enumerate(arms):
         if not os.path.exists(os.path.join(R, run, "log.jsonl")):
             continue
         rows = log(os.path.join(R, run, "log.jsonl"))
-        ev = [(d["step"], d["replay_accept_3"]) for d in rows if d["split"] == "eval"]
-        lr = [(d["step"], d["lr"]) for d in rows if d["split"] == "train"]
+        # x of a step: itself, or the training tokens the log reports at it
+        tok = {d["step"]: d["tokens"] for d in rows}
+        x = (lambda s: s) if args.x == "step" else (lambda s: tok[s])
+        ev = [(x(d["step"]), d["replay_accept_3"]) for d in rows if d["split"] == "eval"]
+        lr = [(x(d["step"]), d["lr"]) for d in rows if d["split"] == "train"]
         out["own_split"][run], out["lr"][run] = ev, lr[-1]
         ax[0].plot(*zip(*lr), label=label)
         ax[1].plot(*zip(*ev), marker="o", label=label)
         # h41: one eval directory per checkpoint, h41-s33-<run>-<step> (h41eval.sh's NAME)
         h = {}
-        for s in STEPS:
+        for s in sorted(int(m.group(1)) for m in (re.fullmatch(re.escape(f"h41-s33-{run}-") + r"(\d+)", d)
+                                                    for d in os.listdir(R)) if m):
             p = os.path.join(R, f"h41-s33-{run}-{s}", "log.jsonl")
-            if os.path.exists(p):
-                h[s] = log(p)[0]["replay_accept_3"]
+            if os.path.exists(p) and s in tok:
+                h[x(s)] = log(p)[0]["replay_accept_3"]
         out["h41"][run] = h
         if h:
             ax[2].plot(list(h), list(h.values()), marker="o", color=f"C{i}", label=label)
-    ax[0].set(xlabel="step (2 sequences)", ylabel="learning rate", title="schedule")
-    ax[1].set(xlabel="step", ylabel="replayed accept length", title="own 31-conversation split")
-    ax[2].set(xlabel="step", ylabel="replayed accept length",
+    xl = "step (2 sequences)" if args.x == "step" else "training tokens"
+    ax[0].set(xlabel=xl, ylabel="learning rate", title="schedule")
+    ax[1].set(xlabel=xl, ylabel="replayed accept length", title="own 31-conversation split")
+    ax[2].set(xlabel=xl, ylabel="replayed accept length",
               title="held-out h41 (90 conversations, 24,541 rows)")
     for a in ax:
         a.legend(fontsize=8)
