@@ -65,11 +65,13 @@ def main():
             ax[2].plot(list(h), list(h.values()), marker="o", color=f"C{i}", label=label)
     xl = "step (2 sequences)" if args.x == "step" else "training tokens"
     ax[0].set(xlabel=xl, ylabel="learning rate", title="schedule")
-    ax[1].set(xlabel=xl, ylabel="replayed accept length", title="own 31-conversation split")
+    ax[1].set(xlabel=xl, ylabel="replayed accept length", title="own split (3% of the run's data)")
     ax[2].set(xlabel=xl, ylabel="replayed accept length",
               title="held-out h41 (90 conversations, 24,541 rows)")
     for a in ax:
         a.legend(fontsize=8)
+        if args.x == "tokens":
+            a.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e3:.0f}k"))
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "curves.png"), dpi=110)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
