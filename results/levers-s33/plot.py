@@ -54,9 +54,9 @@ def main():
         ax[0].plot(*zip(*lr), label=label)
         ax[1].plot(*zip(*ev), marker="o", label=label)
         # h41: one eval directory per checkpoint, h41-s33-<run>-<step> (h41eval.sh's NAME)
+        pat = re.compile(re.escape(f"h41-s33-{run}-") + r"(\d+)")
         h = {}
-        for s in sorted(int(m.group(1)) for m in (re.fullmatch(re.escape(f"h41-s33-{run}-") + r"(\d+)", d)
-                                                    for d in os.listdir(R)) if m):
+        for s in sorted(int(m.group(1)) for m in map(pat.fullmatch, os.listdir(R)) if m):
             p = os.path.join(R, f"h41-s33-{run}-{s}", "log.jsonl")
             if os.path.exists(p) and s in tok:
                 h[x(s)] = log(p)[0]["replay_accept_3"]

@@ -9,7 +9,6 @@ step (TTT step 0, the stored features) picks the target's argmax. Prints, per fl
 """
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -21,6 +20,7 @@ from dataset import load_dataset_dir  # noqa: E402
 from hidden import hidden_states_for  # noqa: E402
 from model import Eagle3Draft  # noqa: E402
 from ttt import ttt_unroll  # noqa: E402
+from subset import row_flatness  # noqa: E402 (this folder's subset.py)
 
 
 @torch.no_grad()
@@ -36,7 +36,6 @@ def main():
     draft = Eagle3Draft.from_pretrained(a.draft, embed_weight=heads.get_input_embeddings().weight)
     draft.eval()
     tid = draft.draft_ids
-    V = lm_w.shape[0]
     flat, ok = [], []
     for k, s in enumerate(seqs[:a.n]):
         aux, fin = hidden_states_for(a.data, manifest, k)
@@ -45,10 +44,10 @@ def main():
         pick = tid[draft.lm_head(draft.norm(h)).argmax(-1)]          # draft's token, target id
         # row t of step 0 reads feature t and token t+1 and predicts token t+2, which the
         # target predicts from its final state at t+1 (ttt.py: p_0[t] = softmax(lm_head(final_{t+1})))
-        p = torch.softmax(fin.float()[1:] @ lm_w.T, -1)
+        f, top = row_flatness(fin[1:], lm_w)
         m = torch.tensor(s["loss_mask"], dtype=torch.bool)[:-1]
-        flat.append((1 - 1 / (math.sqrt(V) * p.norm(dim=-1)))[m])
-        ok.append((pick[:-1] == p.argmax(-1))[m])
+        flat.append(f[m])
+        ok.append((pick[:-1] == top)[m])
     flat, ok = torch.cat(flat), torch.cat(ok).float()
     q = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75]))
     bucket = torch.bucketize(flat, q)

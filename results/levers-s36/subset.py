@@ -35,15 +35,21 @@ from hidden import hidden_states_for  # noqa: E402
 
 
 @torch.no_grad()
-def flatness(final, mask, lm_w, chunk=2048):
-    """Mean of 1 - 1/(sqrt(V) |softmax(final @ lm_w.T)|_2) over the rows where mask is set."""
-    x = final[torch.tensor(mask, dtype=torch.bool)].float()
-    V = lm_w.shape[0]
-    s = []
-    for i in range(0, x.shape[0], chunk):
-        p = torch.softmax(x[i:i + chunk] @ lm_w.T, -1)
+def row_flatness(final, lm_w, chunk=2048):
+    """(flatness [T], target argmax [T]) of final [T, Ht]: 1 - 1/(sqrt(V) |p|_2) per row, p =
+    softmax(final @ lm_w.T) over the full vocabulary; chunked, so no [T, V] tensor is kept."""
+    V, s, a = lm_w.shape[0], [], []
+    for i in range(0, final.shape[0], chunk):
+        p = torch.softmax(final[i:i + chunk].float() @ lm_w.T, -1)
         s.append(1 - 1 / (math.sqrt(V) * p.norm(dim=-1)))
-    return torch.cat(s).mean().item() if s else float("nan")
+        a.append(p.argmax(-1))
+    return torch.cat(s), torch.cat(a)
+
+
+def flatness(final, mask, lm_w):
+    """A sequence's score: the mean row flatness over its loss rows (mask)."""
+    m = torch.tensor(mask, dtype=torch.bool)
+    return row_flatness(final[m], lm_w)[0].mean().item() if m.any() else float("nan")
 
 
 def main():
