@@ -141,6 +141,37 @@ def test_noise_and_cut_labels_reach_training_not_the_eval(tmp_path, data_dir):
                  "--weight-decay -0.1: expected >= 0")
 
 
+def test_weight_decay_shrinks_every_parameter_on_both_optimizers():
+    """Decoupled decay with a zero gradient is the whole step: p <- p (1 - lr wd), on AdamW's
+    parameters (lm_head, norms) and on Muon's matrices alike, at the scheduled lr (the recipe's
+    --weight-decay 0.3 reaches both optimizers, not one)."""
+    import argparse
+    import torch.optim._muon as muon_mod
+    import optim
+    torchs = muon_mod._zeropower_via_newtonschulz
+    g = torch.Generator().manual_seed(0)
+    named = [("midlayer.mlp.up_proj.weight", torch.nn.Parameter(torch.randn(12, 8, generator=g))),
+             ("lm_head.weight", torch.nn.Parameter(torch.randn(10, 8, generator=g))),
+             ("norm.weight", torch.nn.Parameter(torch.rand(8, generator=g) + 0.5))]
+    start = [p.detach().clone() for _, p in named]
+    try:
+        for name in ("adamw", "muon"):
+            for wd in (0.0, 0.3):
+                args = argparse.Namespace(optimizer=name, lr=1e-2, muon_lr=None, weight_decay=wd,
+                                          min_lr_ratio=0.1)
+                for (_, p), p0 in zip(named, start):
+                    p.data.copy_(p0)
+                    p.grad = torch.zeros_like(p)
+                opts, scheds = optim.make_optimizers(named, args, 0, 10, "cpu", verbose=False)
+                assert len(opts) == (2 if name == "muon" else 1)
+                for o in opts:
+                    o.step()
+                for (n, p), p0 in zip(named, start):
+                    assert torch.allclose(p.detach(), p0 * (1 - 1e-2 * wd), atol=1e-7), (name, wd, n)
+    finally:
+        muon_mod._zeropower_via_newtonschulz = torchs
+
+
 def test_muon_newton_schulz_in_fp32_where_bf16_is_slow():
     """Both branches by injected CPU flags: AVX2 only -> optim.py's fp32 iteration; avx512_bf16
     -> torch's own (bf16). The fp32 one is torch's math: same result to bf16 rounding."""
