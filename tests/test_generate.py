@@ -354,6 +354,49 @@ def test_clean_prompt_filters_degenerate_lines():
         assert prompts.clean_prompt(bad) is None, bad
 
 
+def test_growing_cache_decodes_as_transformers_own_cache(monkeypatch):
+    """Regeneration's KV cache (prompts.growing_cache: a buffer written in place instead of a
+    torch.cat of the whole cache per step) against transformers' DynamicCache: the same logits
+    step by step through two regrowths and a crop, and hf_generate's tokens on a left-padded
+    batch, greedy and sampled, with the spied cache shown to be the one generate used."""
+    from types import SimpleNamespace
+    from speculate import cache_kwarg, new_target_cache
+    target = make_tiny_target(vocab_size=64, layers=4)
+    kw = cache_kwarg(target)
+    ours, ref = prompts.growing_cache(target), new_target_cache(target)   # reserve 0: regrows
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randint(0, 64, (1, 6), generator=g)] + [
+        torch.randint(0, 64, (1, 1), generator=g) for _ in range(14)]
+    with torch.no_grad():
+        for i, ids in enumerate(steps):
+            if i == 10:                                   # drop 3 rows from both, then go on
+                ours.crop(-3)
+                ref.crop(-3)
+            a = target(input_ids=ids, use_cache=True, **{kw: ours}).logits
+            b = target(input_ids=ids, use_cache=True, **{kw: ref}).logits
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+            assert ours.get_seq_length() == ref.get_seq_length()
+    assert ours.layers[0].buf[0].shape[-2] == 24        # 6 -> 12 -> 24: grew twice
+
+    tok = SimpleNamespace(pad_token_id=0)
+    batch = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 11, 1, 8)]
+    used, real = [], prompts.growing_cache
+
+    def spy(model, reserve=0):
+        used.append(real(model, reserve))
+        return used[-1]
+    for temperature in (0.0, 0.9):
+        monkeypatch.setattr(prompts, "growing_cache", spy)
+        torch.manual_seed(1)
+        got = prompts.hf_generate(target, tok, batch, 20, temperature, 1.0, [999])
+        assert used[-1].get_seq_length() == 11 + 19       # the prompt and every fed token
+        assert used[-1].layers[0].buf[0].shape[-2] == 11 + 20   # sized once, for max_new_tokens
+        monkeypatch.setattr(prompts, "growing_cache", lambda m, reserve=0: new_target_cache(m))
+        torch.manual_seed(1)
+        want = prompts.hf_generate(target, tok, batch, 20, temperature, 1.0, [999])
+        assert got == want and all(len(ids) == 20 for ids, _ in got)
+
+
 def test_synthesis_dedupes_filters_excludes_and_resumes(tmp_path, smol_tok, monkeypatch):
     """The Magpie loop with the sampler replaced by a script: duplicates, unfinished samples,
     degenerate lines and excluded (benchmark) prompts are dropped; a second call resumes."""
