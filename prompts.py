@@ -123,7 +123,6 @@ def clean_prompt(text):
     return text
 
 
-@torch.inference_mode()
 def growing_cache(model, reserve=0):
     """A transformers DynamicCache whose full-attention layers keep keys and values in a buffer
     (sized at the prefill for `reserve` more rows, doubled if ever full) instead of torch.cat-ing
@@ -167,6 +166,7 @@ def _grown(old, new, n, cap):
     return buf
 
 
+@torch.inference_mode()
 def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids):
     """Batched sampling from a list of token-id lists (left padded). Returns [(new_ids, finished)]
     where new_ids stops before the first stop token and finished says a stop token was produced.
@@ -183,9 +183,10 @@ def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_id
         mask[i, T - len(p):] = 1
     kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    cache = {cache_kwarg(model): growing_cache(model, reserve=max_new_tokens)}
     out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                          max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
-                         pad_token_id=pad, **{cache_kwarg(model): growing_cache(model, max_new_tokens)}, **kw)
+                         pad_token_id=pad, **cache, **kw)
     stops = set(stop_ids)
     results = []
     for row in out[:, T:].tolist():
