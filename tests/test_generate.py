@@ -357,7 +357,7 @@ def test_clean_prompt_filters_degenerate_lines():
 def test_growing_cache_decodes_as_transformers_own_cache(monkeypatch):
     """Regeneration's KV cache (prompts.growing_cache: a buffer written in place instead of a
     torch.cat of the whole cache per step) against transformers' DynamicCache: the same logits
-    step by step through two regrowths and a crop, and hf_generate's tokens on a left-padded
+    step by step through two regrowths, a crop and a reorder, and hf_generate's tokens on a left-padded
     batch, greedy and sampled, with the spied cache shown to be the one generate used."""
     from types import SimpleNamespace
     from speculate import cache_kwarg, new_target_cache
@@ -372,11 +372,15 @@ def test_growing_cache_decodes_as_transformers_own_cache(monkeypatch):
             if i == 10:                                   # drop 3 rows from both, then go on
                 ours.crop(-3)
                 ref.crop(-3)
+            if i == 12:                                   # rows replaced outside (beam search's)
+                assert ours.layers[0].kv.k.shape[-2] == 24    # 6 -> 12 -> 24: grew twice
+                ours.reorder_cache(torch.tensor([0]))
+                ref.reorder_cache(torch.tensor([0]))
             a = target(input_ids=ids, use_cache=True, **{kw: ours}).logits
             b = target(input_ids=ids, use_cache=True, **{kw: ref}).logits
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
             assert ours.get_seq_length() == ref.get_seq_length()
-    assert ours.layers[0].buf[0].shape[-2] == 24        # 6 -> 12 -> 24: grew twice
+    assert ours.layers[0].kv.k.shape[-2] == 30        # a new buffer for the 14 + 1 rows, doubled
 
     tok = SimpleNamespace(pad_token_id=0)
     batch = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 11, 1, 8)]
@@ -390,7 +394,7 @@ def test_growing_cache_decodes_as_transformers_own_cache(monkeypatch):
         torch.manual_seed(1)
         got = prompts.hf_generate(target, tok, batch, 20, temperature, 1.0, [999])
         assert used[-1].get_seq_length() == 11 + 19       # the prompt and every fed token
-        assert used[-1].layers[0].buf[0].shape[-2] == 11 + 20   # sized once, for max_new_tokens
+        assert used[-1].layers[0].kv.k.shape[-2] == 11 + 20   # sized once, for max_new_tokens
         monkeypatch.setattr(prompts, "growing_cache", lambda m, reserve=0: new_target_cache(m))
         torch.manual_seed(1)
         want = prompts.hf_generate(target, tok, batch, 20, temperature, 1.0, [999])
