@@ -124,37 +124,46 @@ def clean_prompt(text):
 
 
 def growing_cache(model, reserve=0):
-    """A transformers DynamicCache whose full-attention layers keep keys and values in the draft's
-    own growable buffer (model.KVCache: sized at the prefill for `reserve` more rows, doubled if
-    ever full) instead of torch.cat-ing the whole cache onto each new row. On a CPU the cat is most
-    of a batched decode step: at 64 rows and 300 tokens of context ~80% of the step copies the
-    cache into freshly allocated memory (tests/bench_regenerate.py); the buffer writes one row per
-    step and hands attention the same numbers as views. Layers of other kinds (sliding windows)
-    stay as transformers makes them."""
+    """A transformers DynamicCache whose full-attention layers keep keys and values in a buffer
+    (sized at the prefill for `reserve` more rows, doubled if ever full) instead of torch.cat-ing
+    the whole cache onto each new row. On a CPU the cat is most of a batched decode step: at 64
+    rows and 300 tokens of context ~80% of the step copies the cache into freshly allocated memory
+    (tests/bench_regenerate.py); the buffer writes one row per step and hands attention the same
+    numbers as views. Layers of other kinds (sliding windows) stay as transformers makes them."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
-    from model import KVCache
 
     class GrowingLayer(DynamicLayer):
-        kv = None
+        buf = None
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             n = self.keys.shape[-2] if self.keys.numel() else 0
-            if self.kv is None or self.keys.data_ptr() != self.kv.k.data_ptr():
-                # the first rows, or rows reordered / replaced outside: a new buffer holding them
-                B, H, T, D = key_states.shape
-                self.kv = KVCache(B, H, D, key_states.dtype, key_states.device, n + T + reserve)
-                if n:
-                    self.kv.append(self.keys, self.values)
-            self.kv.len = n                  # crop() shortens self.keys; the buffer follows
-            self.keys, self.values = self.kv.append(key_states, value_states)
+            if self.buf is None or self.keys.data_ptr() != self.buf[0].data_ptr():
+                self.buf = (self.keys, self.values) if n else None   # crop()ed or reordered outside
+            need = n + key_states.shape[-2]
+            if self.buf is None or need > self.buf[0].shape[-2] or \
+                    self.buf[0].shape[:-2] != key_states.shape[:-2]:
+                cap = need + reserve if n == 0 else max(need, 2 * n)
+                self.buf = tuple(_grown(old, new, n, cap) for old, new in
+                                 ((self.keys, key_states), (self.values, value_states)))
+            self.buf[0][..., n:need, :] = key_states
+            self.buf[1][..., n:need, :] = value_states
+            self.keys, self.values = self.buf[0][..., :need, :], self.buf[1][..., :need, :]
             return self.keys, self.values
 
     cache = DynamicCache(config=model.config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def _grown(old, new, n, cap):
+    """A [..., cap, d] buffer for rows like `new`, holding old's first n rows."""
+    buf = new.new_empty(*new.shape[:-2], cap, new.shape[-1])
+    if n:
+        buf[..., :n, :] = old[..., :n, :]
+    return buf
 
 
 @torch.inference_mode()

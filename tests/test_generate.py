@@ -373,14 +373,14 @@ def test_growing_cache_decodes_as_transformers_own_cache(monkeypatch):
                 ours.crop(-3)
                 ref.crop(-3)
             if i == 12:                                   # rows replaced outside (beam search's)
-                assert ours.layers[0].kv.k.shape[-2] == 24    # 6 -> 12 -> 24: grew twice
+                assert ours.layers[0].buf[0].shape[-2] == 24    # 6 -> 12 -> 24: grew twice
                 ours.reorder_cache(torch.tensor([0]))
                 ref.reorder_cache(torch.tensor([0]))
             a = target(input_ids=ids, use_cache=True, **{kw: ours}).logits
             b = target(input_ids=ids, use_cache=True, **{kw: ref}).logits
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
             assert ours.get_seq_length() == ref.get_seq_length()
-    assert ours.layers[0].kv.k.shape[-2] == 30        # a new buffer for the 14 + 1 rows, doubled
+    assert ours.layers[0].buf[0].shape[-2] == 28        # a new buffer: twice the 14 rows
 
     tok = SimpleNamespace(pad_token_id=0)
     batch = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 11, 1, 8)]
@@ -394,7 +394,7 @@ def test_growing_cache_decodes_as_transformers_own_cache(monkeypatch):
         torch.manual_seed(1)
         got = prompts.hf_generate(target, tok, batch, 20, temperature, 1.0, [999])
         assert used[-1].get_seq_length() == 11 + 19       # the prompt and every fed token
-        assert used[-1].layers[0].kv.k.shape[-2] == 11 + 20   # sized once, for max_new_tokens
+        assert used[-1].layers[0].buf[0].shape[-2] == 11 + 20   # sized once, for max_new_tokens
         monkeypatch.setattr(prompts, "growing_cache", lambda m, reserve=0: new_target_cache(m))
         torch.manual_seed(1)
         want = prompts.hf_generate(target, tok, batch, 20, temperature, 1.0, [999])
