@@ -87,10 +87,14 @@ def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed, fol
     Answer holes: the target answers (greedy at temperature 0). Follow-up user holes (Magpie, one
     turn later): the target is fed the conversation so far plus the template's user-turn header and
     samples what the user says next, with `followup` = (max_new_tokens, temperature, top_p); a
-    follow-up that comes out empty, cut off or degenerate ends the conversation there."""
+    follow-up that comes out empty, cut off or degenerate ends the conversation there.
+
+    Each conversation's KV cache is carried from round to round (hf_generate's `past`): a round
+    prefills only what the conversation gained since the last one, not all of it again."""
     from common import chat_prompt_ids, stop_token_ids
     stop_ids = stop_token_ids(tok, model.config)
     convs = [list(s) for s in skeletons]
+    states = [None] * len(convs)    # each conversation's KV cache so far (hf_generate's `past`)
     rnd = 0
     while True:
         todo = [(i, open_hole(c)) for i, c in enumerate(convs) if open_hole(c) is not None]
@@ -101,21 +105,26 @@ def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed, fol
         users = [(i, j) for i, j in todo if convs[i][j] is not None]
         if answers:
             prompts = [chat_prompt_ids(tok, convs[i][:j]) for i, j in answers]
-            outs = hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids)
-            for (i, j), (ids, finished) in zip(answers, outs):
+            past = [states[i] for i, _ in answers]
+            outs = hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids, past)
+            for (i, j), (ids, finished), state in zip(answers, outs, past):
                 convs[i][j] = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
+                states[i] = state if open_hole(convs[i]) is not None else None
                 if not finished:
                     convs[i][j]["truncated"] = True  # hit --max-new-tokens; the target had more to say
         if users:
             prompts = [tok(user_turn_prefix(tok, convs[i][:j]), add_special_tokens=False)["input_ids"]
                        for i, j in users]
-            outs = hf_generate(model, tok, prompts, *followup, stop_ids)
-            for (i, j), (ids, finished) in zip(users, outs):
+            past = [states[i] for i, _ in users]
+            outs = hf_generate(model, tok, prompts, *followup, stop_ids, past)
+            for (i, j), (ids, finished), state in zip(users, outs, past):
                 text = clean_prompt(tok.decode(ids, skip_special_tokens=True)) if finished else None
                 if text is None:
                     convs[i] = convs[i][:j]       # no usable follow-up: the conversation ends here
+                    states[i] = None
                 else:
                     convs[i][j] = {"role": "user", "content": text}
+                    states[i] = state
         rnd += 1
     return convs
 

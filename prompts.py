@@ -129,7 +129,8 @@ def growing_cache(model, reserve=0):
     the whole cache onto each new row. On a CPU the cat is most of a batched decode step: at 64
     rows and 300 tokens of context ~80% of the step copies the cache into freshly allocated memory
     (tests/bench_regenerate.py); the buffer writes one row per step and hands attention the same
-    numbers as views. Layers of other kinds (sliding windows) stay as transformers makes them."""
+    numbers as views. Layers of other kinds (sliding windows) stay as transformers makes them;
+    `keeps_rows` says there are none, so hf_generate may carry rows from one call to the next."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -145,7 +146,7 @@ def growing_cache(model, reserve=0):
             need = n + key_states.shape[-2]
             if self.buf is None or need > self.buf[0].shape[-2] or \
                     self.buf[0].shape[:-2] != key_states.shape[:-2]:
-                cap = need + reserve if n == 0 else max(need, 2 * n)
+                cap = need + cache.reserve if n == 0 else max(need, 2 * n)
                 self.buf = tuple(_grown(old, new, n, cap) for old, new in
                                  ((self.keys, key_states), (self.values, value_states)))
             self.buf[0][..., n:need, :] = key_states
@@ -155,6 +156,8 @@ def growing_cache(model, reserve=0):
 
     cache = DynamicCache(config=model.config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.reserve = reserve
+    cache.keeps_rows = all(isinstance(layer, GrowingLayer) for layer in cache.layers)
     return cache
 
 
@@ -167,31 +170,72 @@ def _grown(old, new, n, cap):
 
 
 @torch.inference_mode()
-def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids):
+def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids, past=None):
     """Batched sampling from a list of token-id lists (left padded). Returns [(new_ids, finished)]
     where new_ids stops before the first stop token and finished says a stop token was produced.
     The KV cache is growing_cache's (the same numbers as transformers' own, without a copy of the
-    whole cache at every step)."""
+    whole cache at every step).
+
+    past: None, or one slot per prompt holding None or what an earlier call left there, the row's
+    (token ids, per-layer keys and values) of that conversation so far. A row then prefills only
+    what its prompt adds past the longest prefix it shares with those ids (turn k+1's prompt is
+    turn k's plus the answer and the next message: re-prefilling all of it was a third of
+    regeneration), and its slot is replaced by the row's state after this call. Rows sit as
+
+        [pad][the reused prefix: c_i tokens][pad][the c_i.. rest of prompt i][new tokens]
+         <------------ L columns ----------><----------- W columns ---------->
+
+    with the pads masked out, so transformers' positions (cumsum of the mask - 1) are each
+    token's place in its own conversation, as in a fresh prefill."""
     from speculate import cache_kwarg
     dev = model.device
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), T), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        mask[i, T - len(p):] = 1
+    B = len(prompts)
+    cache = growing_cache(model)
+    if not getattr(cache, "keeps_rows", False):
+        past = None                       # a layer kind whose rows cannot be moved (sliding window)
+    reuse = [0] * B
+    if past is not None:
+        for i, p in enumerate(prompts):
+            if past[i] is not None:       # longest common prefix, leaving >= 1 token to feed
+                prev, n = past[i][0], min(len(past[i][0]), len(p) - 1)
+                reuse[i] = next((c for c in range(n) if prev[c] != p[c]), n)
+    L = max(reuse)
+    W = max(len(p) - c for p, c in zip(prompts, reuse))
+    T = L + W
+    ids = torch.full((B, T), pad, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, reuse)):
+        ids[i, L - c:L], ids[i, T - len(p) + c:] = torch.tensor(p[:c], dtype=torch.long), torch.tensor(p[c:])
+        mask[i, L - c:L], mask[i, T - len(p) + c:] = 1, 1
+    cache.reserve = (W if L else 0) + max_new_tokens   # rows after the first update: T + new
+    if L:                                 # the reused prefixes, right-aligned at column L
+        for n, layer in enumerate(cache.layers):
+            k0, v0 = next(past[i][1][n] for i in range(B) if reuse[i])
+            k = k0.new_zeros(B, k0.shape[0], L, k0.shape[-1])
+            v = v0.new_zeros(B, v0.shape[0], L, v0.shape[-1])
+            for i, c in enumerate(reuse):
+                if c:
+                    k[i, :, L - c:], v[i, :, L - c:] = past[i][1][n][0][:, :c], past[i][1][n][1][:, :c]
+            layer.update(k, v)
+        past[:] = [None] * B              # free the old states before the new ones are made
     kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    cache = {cache_kwarg(model): growing_cache(model, reserve=max_new_tokens)}
     out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                          max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
-                         pad_token_id=pad, **cache, **kw)
+                         pad_token_id=pad, **{cache_kwarg(model): cache}, **kw)
     stops = set(stop_ids)
     results = []
     for row in out[:, T:].tolist():
         cut = next((j for j, t in enumerate(row) if t in stops), None)
         results.append((row if cut is None else row[:cut], cut is not None))
+    if past is not None:                  # each row's fed tokens (up to its stop token) and their K, V
+        S = cache.get_seq_length()
+        for i, (p, c) in enumerate(zip(prompts, reuse)):
+            end = min(S, T + len(results[i][0]) + 1)
+            cols = torch.cat([torch.arange(L - c, L), torch.arange(T - len(p) + c, end)]).to(dev)
+            past[i] = (out[i, cols].tolist(),
+                       [(layer.keys[i][:, cols], layer.values[i][:, cols]) for layer in cache.layers])
     return results
 
 

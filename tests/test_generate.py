@@ -401,6 +401,73 @@ def test_growing_cache_decodes_as_transformers_own_cache(monkeypatch):
         assert got == want and all(len(ids) == 20 for ids, _ in got)
 
 
+def test_hf_generate_carries_rows_from_call_to_call(monkeypatch):
+    """hf_generate's `past`: a row whose prompt extends what the row held after the last call
+    prefills only the difference (the longest common prefix is reused) and generates what a fresh
+    prefill of the whole prompt generates, greedy and sampled. The rows cover a finished answer
+    (its stop token in the next prompt), cut-off ones, a prompt that departs from its past early,
+    a prompt the past covers entirely (one token still fed) and a row with no past."""
+    from types import SimpleNamespace
+    target = make_tiny_target(vocab_size=64, layers=4)
+    tok = SimpleNamespace(pad_token_id=0)
+    g = torch.Generator().manual_seed(0)
+    first = [torch.randint(8, 64, (n,), generator=g).tolist() for n in (5, 11, 1, 8, 6)]
+    probe = prompts.hf_generate(target, tok, first, 12, 0.0, 1.0, [999])
+    stop = probe[0][0][3]                                  # row 0 stops within 4 tokens
+    widths = []
+    real_forward = type(target).forward
+
+    def spy(self, *a, **kw):     # how many tokens each row feeds (its unmasked new columns)
+        widths.append(kw["attention_mask"][:, -kw["input_ids"].shape[1]:].sum(1).tolist())
+        return real_forward(self, *a, **kw)
+    monkeypatch.setattr(type(target), "forward", spy)
+    for temperature in (0.0, 0.9):
+        past = [None] * len(first)
+        torch.manual_seed(1)
+        outs = prompts.hf_generate(target, tok, first, 12, temperature, 1.0, [stop], past)
+        assert not all(f for _, f in outs) and (temperature or outs[0][1] and len(outs[0][0]) <= 3)
+        # what each row holds: its prompt and every token fed after it (the stop token included)
+        for p, (ids, finished), (held, kv) in zip(first, outs, past):
+            assert held == p + ids + [stop] * finished if finished else held == p + ids[:-1]
+            assert kv[0][0].shape[1] == len(held) and len(kv) == 4
+        extra = [torch.randint(8, 64, (n,), generator=g).tolist() for n in (3, 9, 0, 4, 2)]
+        second = [p + ids + [stop] * f + x for p, (ids, f), x in zip(first, outs, extra)]
+        second[2] = list(past[2][0])                       # nothing new: its last token re-fed
+        second[3][2] = 8 if second[3][2] != 8 else 9       # departs at token 2
+        past[4] = None                                     # no past: a whole prefill
+        reused = [len(past[0][0]), len(past[1][0]), len(second[2]) - 1, 2, 0]
+        widths.clear()
+        torch.manual_seed(2)
+        got = prompts.hf_generate(target, tok, second, 15, temperature, 1.0, [stop], past)
+        assert widths[0] == [len(p) - c for p, c in zip(second, reused)]
+        torch.manual_seed(2)
+        want = prompts.hf_generate(target, tok, second, 15, temperature, 1.0, [stop])
+        assert got == want
+        assert [len(held) for held, _ in past] == [
+            len(p) + len(ids) + f if f else len(p) + len(ids) - 1 for p, (ids, f) in zip(second, got)]
+
+
+def test_fill_hf_carried_caches_change_nothing(tiny_dir, monkeypatch):
+    """Multi-turn regeneration with each conversation's cache carried between rounds makes the
+    same conversations as re-prefilling every round (hf_generate with its `past` dropped), and
+    does carry it (the later rounds' prefills are narrower than the conversations)."""
+    from common import load_target
+    target, tok = load_target(tiny_dir)
+    sks = [generate.skeleton([{"role": "user", "content": q}], followups=1) for q in
+           ("Why is the sky blue?", "Name three rivers of Europe and say which is longest.")]
+    widths, real = [], prompts.hf_generate
+
+    def carried(*a):
+        if len(a) == 8 and a[7] is not None and any(a[7]):
+            widths.append(max(len(p) - len(s[0]) for p, s in zip(a[2], a[7]) if s))
+        return real(*a)
+    monkeypatch.setattr(generate, "hf_generate", carried)
+    got = generate.fill_hf(target, tok, sks, 10, 0.0, 1.0, 0, followup=(12, 1.0, 1.0))
+    monkeypatch.setattr(generate, "hf_generate", lambda *a: real(*a[:7]))
+    want = generate.fill_hf(target, tok, sks, 10, 0.0, 1.0, 0, followup=(12, 1.0, 1.0))
+    assert got == want and widths
+
+
 def test_synthesis_dedupes_filters_excludes_and_resumes(tmp_path, smol_tok, monkeypatch):
     """The Magpie loop with the sampler replaced by a script: duplicates, unfinished samples,
     degenerate lines and excluded (benchmark) prompts are dropped; a second call resumes."""
@@ -485,7 +552,7 @@ def test_followups_make_multi_turn_conversations(tiny_dir, monkeypatch):
     target, tok = load_target(tiny_dir)
     fed = []
 
-    def fake(model, tok_, prompts, max_new_tokens, temperature, top_p, stop_ids):
+    def fake(model, tok_, prompts, max_new_tokens, temperature, top_p, stop_ids, past=None):
         out = []
         for p in prompts:
             text = tok.decode(p)
