@@ -94,7 +94,7 @@ def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed, fol
     from common import chat_prompt_ids, stop_token_ids
     stop_ids = stop_token_ids(tok, model.config)
     convs = [list(s) for s in skeletons]
-    states = [None] * len(convs)    # each conversation's KV cache so far (hf_generate's `past`)
+    states = {}    # conversation -> its KV cache so far (hf_generate's `past`), popped when used
     rnd = 0
     while True:
         todo = [(i, open_hole(c)) for i, c in enumerate(convs) if open_hole(c) is not None]
@@ -105,23 +105,23 @@ def fill_hf(model, tok, skeletons, max_new_tokens, temperature, top_p, seed, fol
         users = [(i, j) for i, j in todo if convs[i][j] is not None]
         if answers:
             prompts = [chat_prompt_ids(tok, convs[i][:j]) for i, j in answers]
-            past = [states[i] for i, _ in answers]
+            past = [states.pop(i, None) for i, _ in answers]
             outs = hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_ids, past)
             for (i, j), (ids, finished), state in zip(answers, outs, past):
                 convs[i][j] = {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
-                states[i] = state if open_hole(convs[i]) is not None else None
+                if open_hole(convs[i]) is not None:
+                    states[i] = state
                 if not finished:
                     convs[i][j]["truncated"] = True  # hit --max-new-tokens; the target had more to say
         if users:
             prompts = [tok(user_turn_prefix(tok, convs[i][:j]), add_special_tokens=False)["input_ids"]
                        for i, j in users]
-            past = [states[i] for i, _ in users]
+            past = [states.pop(i, None) for i, _ in users]
             outs = hf_generate(model, tok, prompts, *followup, stop_ids, past)
             for (i, j), (ids, finished), state in zip(users, outs, past):
                 text = clean_prompt(tok.decode(ids, skip_special_tokens=True)) if finished else None
                 if text is None:
                     convs[i] = convs[i][:j]       # no usable follow-up: the conversation ends here
-                    states[i] = None
                 else:
                     convs[i][j] = {"role": "user", "content": text}
                     states[i] = state

@@ -180,26 +180,47 @@ def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_id
     (token ids, per-layer keys and values) of that conversation so far. A row then prefills only
     what its prompt adds past the longest prefix it shares with those ids (turn k+1's prompt is
     turn k's plus the answer and the next message: re-prefilling all of it was a third of
-    regeneration), and its slot is replaced by the row's state after this call. Rows sit as
-
-        [pad][the reused prefix: c_i tokens][pad][the c_i.. rest of prompt i][new tokens]
-         <------------ L columns ----------><----------- W columns ---------->
-
-    with the pads masked out, so transformers' positions (cumsum of the mask - 1) are each
-    token's place in its own conversation, as in a fresh prefill."""
+    regeneration), and its slot is replaced by the row's state after this call. A prefix can end
+    early: the template re-renders an answer from its text, whose tokens need not be the ones
+    generated (SmolLM2 writes "\n\n" as one token and re-reads it as two), so the rest is fed."""
     from speculate import cache_kwarg
-    dev = model.device
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
-    B = len(prompts)
     cache = growing_cache(model)
     if not getattr(cache, "keeps_rows", False):
         past = None                       # a layer kind whose rows cannot be moved (sliding window)
-    reuse = [0] * B
     if past is not None:
-        for i, p in enumerate(prompts):
-            if past[i] is not None:       # longest common prefix, leaving >= 1 token to feed
-                prev, n = past[i][0], min(len(past[i][0]), len(p) - 1)
-                reuse[i] = next((c for c in range(n) if prev[c] != p[c]), n)
+        catch_up(model, prompts, past, pad)
+    ids, mask, reuse, L = batch_rows(prompts, past, cache, pad, max_new_tokens)
+    T = ids.shape[1]
+    kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                         max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
+                         pad_token_id=pad, **{cache_kwarg(model): cache}, **kw)
+    stops = set(stop_ids)
+    results = []
+    for row in out[:, T:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
+        results.append((row if cut is None else row[:cut], cut is not None))
+    if past is not None:                  # each row's fed tokens, up to its stop token
+        S = cache.get_seq_length()
+        keep_rows(cache, out, prompts, reuse, L, [min(S, T + len(ids) + 1) for ids, _ in results], past)
+    return results
+
+
+def batch_rows(prompts, past, cache, pad, max_new_tokens):
+    """The batch of a (re)started call: input ids and attention mask [B, L + W], with each row's
+    reused prefix (c_i tokens shared with its past, leaving >= 1 token to feed) already in
+    `cache`, right-aligned at column L, and the rest of its prompt right-aligned at the end:
+
+        [pad][reused prefix: c_i tokens][pad][the rest of prompt i]      -> generate() feeds W
+         <------------ L columns ----------><-------- W columns ------->
+
+    With the pads masked out, transformers' positions (cumsum of the mask - 1) are each token's
+    place in its own conversation, as in a fresh prefill. The old states are freed layer by layer
+    as they are copied, so memory stays about one batch cache. Returns (ids, mask, reuse, L)."""
+    B = len(prompts)
+    reuse = [0] * B if past is None else [shared_prefix(p, s) for p, s in zip(prompts, past)]
     L = max(reuse)
     W = max(len(p) - c for p, c in zip(prompts, reuse))
     T = L + W
@@ -209,7 +230,7 @@ def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_id
         ids[i, L - c:L], ids[i, T - len(p) + c:] = torch.tensor(p[:c], dtype=torch.long), torch.tensor(p[c:])
         mask[i, L - c:L], mask[i, T - len(p) + c:] = 1, 1
     cache.reserve = (W if L else 0) + max_new_tokens   # rows after the first update: T + new
-    if L:                                 # the reused prefixes, right-aligned at column L
+    if L:
         for n, layer in enumerate(cache.layers):
             k0, v0 = next(past[i][1][n] for i in range(B) if reuse[i])
             k = k0.new_zeros(B, k0.shape[0], L, k0.shape[-1])
@@ -217,26 +238,62 @@ def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_id
             for i, c in enumerate(reuse):
                 if c:
                     k[i, :, L - c:], v[i, :, L - c:] = past[i][1][n][0][:, :c], past[i][1][n][1][:, :c]
+                if past[i] is not None:
+                    past[i][1][n] = None
             layer.update(k, v)
-        past[:] = [None] * B              # free the old states before the new ones are made
-    kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                         max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
-                         pad_token_id=pad, **{cache_kwarg(model): cache}, **kw)
-    stops = set(stop_ids)
-    results = []
-    for row in out[:, T:].tolist():
-        cut = next((j for j, t in enumerate(row) if t in stops), None)
-        results.append((row if cut is None else row[:cut], cut is not None))
-    if past is not None:                  # each row's fed tokens (up to its stop token) and their K, V
-        S = cache.get_seq_length()
-        for i, (p, c) in enumerate(zip(prompts, reuse)):
-            end = min(S, T + len(results[i][0]) + 1)
-            cols = torch.cat([torch.arange(L - c, L), torch.arange(T - len(p) + c, end)]).to(dev)
-            past[i] = (out[i, cols].tolist(),
-                       [(layer.keys[i][:, cols], layer.values[i][:, cols]) for layer in cache.layers])
-    return results
+    if past is not None:
+        past[:] = [None] * B
+    return ids, mask, reuse, L
+
+
+def shared_prefix(prompt, state):
+    """How many of the prompt's first tokens a row's past state holds (at most all but one)."""
+    if state is None:
+        return 0
+    held, n = state[0], min(len(state[0]), len(prompt) - 1)
+    return next((c for c in range(n) if held[c] != prompt[c]), n)
+
+
+def keep_rows(cache, seqs, prompts, reuse, L, ends, past):
+    """Each row's state after a call, into `past`: the tokens fed (its reused prefix, then
+    columns T - len(p) + c .. ends[i] of `seqs`) with their keys and values, taken layer by layer
+    while the batch cache is let go."""
+    T = L + max(len(p) - c for p, c in zip(prompts, reuse))
+    cols = [torch.cat([torch.arange(L - c, L), torch.arange(T - len(p) + c, end)]).to(seqs.device)
+            for p, c, end in zip(prompts, reuse, ends)]
+    past[:] = [(seqs[i, col].tolist(), []) for i, col in enumerate(cols)]
+    for n in range(len(cache.layers)):
+        layer, cache.layers[n] = cache.layers[n], None
+        for i, col in enumerate(cols):
+            past[i][1].append((layer.keys[i][:, col], layer.values[i][:, col]))
+
+
+def catch_up(model, prompts, past, pad):
+    """Rows far behind the rest first prefill alone. The batch prefills W = the most new tokens
+    of any row for every row, so one row whose answer was re-tokenized (150 tokens to feed
+    against the others' 7) would cost the whole batch 150 columns. Catching up the k rows with
+    the most to feed to the (k+1)-th's count w costs k x (max - w) + B x w token columns; the k
+    with the least is taken (k = 0: nothing to catch up)."""
+    B = len(prompts)
+    new = [len(p) - shared_prefix(p, s) for p, s in zip(prompts, past)]
+    order = sorted(range(B), key=lambda i: -new[i])
+    cost = [k * (new[order[0]] - new[order[k]]) + B * new[order[k]] for k in range(B)]
+    k = min(range(B), key=cost.__getitem__)
+    if k == 0:
+        return
+    w, rows = new[order[k]], order[:k]
+    sub = [prompts[i][:len(prompts[i]) - w] for i in rows]
+    sub_past = [past[i] for i in rows]
+    cache = growing_cache(model)
+    ids, mask, reuse, L = batch_rows(sub, sub_past, cache, pad, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    from speculate import cache_kwarg
+    dev = model.device
+    model(input_ids=ids[:, L:].to(dev), attention_mask=mask.to(dev), position_ids=pos[:, L:].to(dev),
+          use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    keep_rows(cache, ids.to(dev), sub, reuse, L, [ids.shape[1]] * k, sub_past)
+    for i, state in zip(rows, sub_past):
+        past[i] = state
 
 
 def synthesize_prompts(model, tok, n, path, seed, batch_size, max_new_tokens, temperature,

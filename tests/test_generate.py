@@ -1,6 +1,7 @@
 """Tests for generate.py: hidden states equal a reference forward, loss masks on ChatML and Llama-3
 templates, the draft vocabulary, resumable regeneration and shards, the output format and every
 user mistake the issue lists. Tiny random targets (tests/conftest.py) keep each test fast."""
+import functools
 import http.server
 import json
 import os
@@ -406,19 +407,23 @@ def test_hf_generate_carries_rows_from_call_to_call(monkeypatch):
     prefills only the difference (the longest common prefix is reused) and generates what a fresh
     prefill of the whole prompt generates, greedy and sampled. The rows cover a finished answer
     (its stop token in the next prompt), cut-off ones, a prompt that departs from its past early,
-    a prompt the past covers entirely (one token still fed) and a row with no past."""
+    a prompt the past covers entirely (one token still fed) and a row with no past; the rows with
+    the most to feed catch up alone first, so the batch prefills fewer token columns."""
     from types import SimpleNamespace
+    from speculate import cache_kwarg, new_target_cache
     target = make_tiny_target(vocab_size=64, layers=4)
     tok = SimpleNamespace(pad_token_id=0)
     g = torch.Generator().manual_seed(0)
     first = [torch.randint(8, 64, (n,), generator=g).tolist() for n in (5, 11, 1, 8, 6)]
     probe = prompts.hf_generate(target, tok, first, 12, 0.0, 1.0, [999])
     stop = probe[0][0][3]                                  # row 0 stops within 4 tokens
-    widths = []
+    calls = []
     real_forward = type(target).forward
 
-    def spy(self, *a, **kw):     # how many tokens each row feeds (its unmasked new columns)
-        widths.append(kw["attention_mask"][:, -kw["input_ids"].shape[1]:].sum(1).tolist())
+    @functools.wraps(real_forward)   # generate reads forward's signature (for position_ids)
+    def spy(self, *a, **kw):     # rows, width and tokens fed (unmasked new columns) of a forward
+        new = kw["attention_mask"][:, -kw["input_ids"].shape[1]:]
+        calls.append((new.shape[0], new.shape[1], int(new.sum())))
         return real_forward(self, *a, **kw)
     monkeypatch.setattr(type(target), "forward", spy)
     for temperature in (0.0, 0.9):
@@ -436,15 +441,28 @@ def test_hf_generate_carries_rows_from_call_to_call(monkeypatch):
         second[3][2] = 8 if second[3][2] != 8 else 9       # departs at token 2
         past[4] = None                                     # no past: a whole prefill
         reused = [len(past[0][0]), len(past[1][0]), len(second[2]) - 1, 2, 0]
-        widths.clear()
+        todo = [len(p) - c for p, c in zip(second, reused)]
+        calls.clear()
         torch.manual_seed(2)
         got = prompts.hf_generate(target, tok, second, 15, temperature, 1.0, [stop], past)
-        assert widths[0] == [len(p) - c for p, c in zip(second, reused)]
+        prefills = calls[:next(j for j, c in enumerate(calls) if c[1] == 1 and c[0] == 5)]
+        assert sum(fed for *_, fed in prefills) == sum(todo)                # each token once
+        assert len(prefills) == 2 and prefills[0][0] < 5                    # a catch-up first
+        assert sum(r * w for r, w, _ in prefills) < 5 * max(todo)
         torch.manual_seed(2)
         want = prompts.hf_generate(target, tok, second, 15, temperature, 1.0, [stop])
         assert got == want
         assert [len(held) for held, _ in past] == [
             len(p) + len(ids) + f if f else len(p) + len(ids) - 1 for p, (ids, f) in zip(second, got)]
+        monkeypatch.setattr(type(target), "forward", real_forward)
+        for held, kv in past:     # a row's keys and values are a fresh prefill's of its tokens
+            fresh = new_target_cache(target)
+            with torch.no_grad():
+                target(input_ids=torch.tensor([held]), use_cache=True, **{cache_kwarg(target): fresh})
+            for n, (k, v) in enumerate(kv):
+                torch.testing.assert_close(k, fresh.layers[n].keys[0], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v, fresh.layers[n].values[0], atol=1e-5, rtol=1e-4)
+        monkeypatch.setattr(type(target), "forward", spy)
 
 
 def test_fill_hf_carried_caches_change_nothing(tiny_dir, monkeypatch):
