@@ -202,9 +202,9 @@ def hf_generate(model, tok, prompts, max_new_tokens, temperature, top_p, stop_id
     for row in out[:, T:].tolist():
         cut = next((j for j, t in enumerate(row) if t in stops), None)
         results.append((row if cut is None else row[:cut], cut is not None))
-    if past is not None:                  # each row's fed tokens, up to its stop token
-        S = cache.get_seq_length()
-        keep_rows(cache, out, prompts, reuse, L, [min(S, T + len(ids) + 1) for ids, _ in results], past)
+    if past is not None:    # a row keeps what was fed: its answer, then its stop token if a later
+        S = cache.get_seq_length()   # step fed it (a row cut at max_new_tokens: all but its last)
+        keep_rows(cache, out, prompts, reuse, L, [min(S, T + len(new) + 1) for new, _ in results], past)
     return results
 
 
