@@ -102,7 +102,7 @@ def conversations(target, tok, args):
     a, b = (statistics.median(times[w]) for w in ways)
     same = sum(x == y for x, y in zip(*outs.values()))
     print(f"{len(convs)} conversations: carried {a:.1f} s, re-prefilled {b:.1f} s (medians): {b / a:.2f}x; "
-          f"{same} of {len(convs)} written identically (the rest differ by fp rounding of another batching)")
+          f"{same} of {len(convs)} written identically")
 
 
 def run(target, ids, mask, cache, n_steps):
