@@ -465,6 +465,22 @@ def test_hf_generate_carries_rows_from_call_to_call(monkeypatch):
         monkeypatch.setattr(type(target), "forward", spy)
 
 
+def test_hf_generate_carries_nothing_through_sliding_windows():
+    """A target with sliding-window layers (transformers keeps only the window, so rows cannot be
+    moved between calls): hf_generate takes no past and leaves its slots empty, generating what it
+    generates without one."""
+    from types import SimpleNamespace
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    target = MistralForCausalLM(MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)).eval()
+    assert not prompts.growing_cache(target).keeps_rows
+    tok, batch, past = SimpleNamespace(pad_token_id=0), [[5, 6, 7], [8, 9, 10, 11, 12]], [None, None]
+    got = prompts.hf_generate(target, tok, batch, 6, 0.0, 1.0, [99], past)
+    assert past == [None, None] and got == prompts.hf_generate(target, tok, batch, 6, 0.0, 1.0, [99])
+
+
 def test_fill_hf_carried_caches_change_nothing(tiny_dir, monkeypatch):
     """Multi-turn regeneration with each conversation's cache carried between rounds makes the
     same conversations as re-prefilling every round (hf_generate with its `past` dropped), and
