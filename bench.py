@@ -401,20 +401,49 @@ def read_results(path):
         raise UserError(f"--compare {path}: not a bench.py results file ({e})")
 
 
+def paired_difference(ours, theirs, resamples=2000, seed=0):
+    """Two runs on the same prompts (another draft, say), prompt by prompt: how many prompts
+    this run's accept length is ahead of, tied with and behind the earlier run's, and the
+    bootstrap 95% interval of the pooled difference (prompts resampled with replacement; the
+    pooled figure weights each prompt by its rounds, so a ratio of sums is resampled, not a mean
+    of ratios). None unless both runs recorded the same prompts."""
+    import random
+    key = lambda p: (p["item"], p["turn"], p["repeat"])
+    a = {key(p): p for p in ours.get("per_prompt") or []}
+    b = {key(p): p for p in theirs.get("per_prompt") or []}
+    if not a or a.keys() != b.keys():
+        return None
+    rows = [(a[k]["new_tokens"], a[k]["rounds"], b[k]["new_tokens"], b[k]["rounds"]) for k in a]
+    each = [t1 / max(r1, 1) - t2 / max(r2, 1) for t1, r1, t2, r2 in rows]
+
+    def pooled(rs):
+        return (sum(r[0] for r in rs) / max(sum(r[1] for r in rs), 1)
+                - sum(r[2] for r in rs) / max(sum(r[3] for r in rs), 1))
+    rng = random.Random(seed)
+    boot = sorted(pooled([rows[rng.randrange(len(rows))] for _ in rows]) for _ in range(resamples))
+    return {"ahead": sum(d > 1e-12 for d in each), "tied": sum(abs(d) <= 1e-12 for d in each),
+            "behind": sum(d < -1e-12 for d in each), "difference": pooled(rows),
+            "low": boot[int(0.025 * resamples)], "high": boot[int(0.975 * resamples) - 1]}
+
+
 def format_comparison(entries, other, path):
-    """Accept length of this run beside an earlier run's, for the configs both ran."""
+    """Accept length of this run beside an earlier run's, for the configs both ran; prompt by
+    prompt where both recorded the same prompts (paired_difference)."""
     by = {(e["benchmark"], e["config"]): e for e in other["results"]}
     theirs = other["results"][0]["settings"].get("backend", "earlier")
     ours = entries[0]["settings"]["backend"] if entries else "this run"
     rows = [["benchmark", "config", f"{ours} accept len", f"{theirs} accept len", "rounds",
-             "new tokens"]]
+             "new tokens", "prompts ahead/tied/behind, 95% interval of the difference"]]
     for e in entries:
         o = by.get((e["benchmark"], e["config"]))
         if o is None or e["config"] in (BASELINE, PEER_GENERATE, PEER_LOOKUP):
             continue
+        d = paired_difference(e, o)
         rows.append([e["benchmark"], e["config"], f"{e['accept_length']:.3f}",
                      f"{o['accept_length']:.3f}", f"{e['rounds']} / {o['rounds']}",
-                     f"{e['new_tokens']} / {o['new_tokens']}"])
+                     f"{e['new_tokens']} / {o['new_tokens']}",
+                     "-" if d is None else f"{d['ahead']}/{d['tied']}/{d['behind']}, "
+                     f"{d['low']:+.3f} .. {d['high']:+.3f}"])
     width = [max(len(x) for x in col) for col in zip(*rows)]
     lines = ["  ".join(x.ljust(w) for x, w in zip(r, width)).rstrip() for r in rows]
     keys = ("max_new_tokens", "temperature", "top_p", "dtype")

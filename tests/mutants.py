@@ -31,6 +31,7 @@ TRAIN = "tests/test_train.py"
 LEVERS = "tests/test_train_levers.py"
 BAD = "tests/test_bad_inputs.py"
 RESUME = "tests/test_bench.py::test_killed_run_resumes_where_it_stopped"
+PAIRED = "tests/test_bench.py::test_paired_difference_prompt_by_prompt"
 
 # (name, file, old snippet, new snippet, tests to run). `old` must occur exactly once; old and
 # new may also be tuples of snippets, applied in turn (a bug that spans several lines).
@@ -182,6 +183,14 @@ MUTANTS = [
      ("                        got[r.name] = (toks, rec)\n                        progress.save((label, qi, turn, rep), {r.name: rec}, None)\n",
       "\n"),
      [RESUME]),
+    ("bench-pairs-other-prompts", "bench.py",
+     "    if not a or a.keys() != b.keys():", "    if not a:", [PAIRED]),
+    ("bench-paired-interval-from-one-draw", "bench.py",
+     "    boot = sorted(pooled([rows[rng.randrange(len(rows))] for _ in rows]) for _ in range(resamples))",
+     "    boot = sorted(pooled(rows) for _ in range(resamples))", [PAIRED]),
+    ("bench-paired-ties-as-ahead", "bench.py",
+     "    return {\"ahead\": sum(d > 1e-12 for d in each)", "    return {\"ahead\": sum(d >= 0 for d in each)",
+     [PAIRED]),
     # ---- bad input ----
     ("speculator-skips-sampling-checks", "speculate.py",
      "        check_sampling_args(temperature, top_p)\n        self.target", "        self.target",

@@ -575,8 +575,10 @@ def test_compare_prints_accept_length_beside_an_earlier_run(tmp_path):
             entry("sglang", "1,3,4,8", 2.1, 80, 168)]
     text = bench.format_comparison(ours, bench.read_results(str(path)), str(path))
     rows = [line.split() for line in text.splitlines()[3:]]
-    assert rows == [["mtbench", "1,3,1,4", "1.700", "1.750", "103", "/", "100", "175", "/", "175"]]
-    assert "sglang accept len" in text and "torch accept len" in text and "differ" not in text
+    assert rows == [["mtbench", "1,3,1,4", "1.700", "1.750", "103", "/", "100", "175", "/", "175",
+                     "-"]]   # no per-prompt records: no paired figures
+    assert "sglang accept len" in text and "torch accept len" in text
+    assert "settings differ" not in text
     for e in ours:
         e["settings"]["max_new_tokens"] = 32
     assert "settings differ: max_new_tokens" in bench.format_comparison(
@@ -584,3 +586,27 @@ def test_compare_prints_accept_length_beside_an_earlier_run(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(UserError, match="--compare .*bad.json: not a bench.py results file"):
         bench.read_results(str(tmp_path / "bad.json"))
+
+
+def test_paired_difference_prompt_by_prompt():
+    """Two drafts on the same prompts: ahead / tied / behind per prompt, and a bootstrap interval
+    of the pooled difference that holds the difference and excludes 0 only when it should."""
+    def entry(pairs):   # (new_tokens, rounds) per prompt
+        return {"per_prompt": [{"item": i // 2, "turn": i % 2, "repeat": 0, "new_tokens": t,
+                                "rounds": r} for i, (t, r) in enumerate(pairs)]}
+    old = entry([(64, 32)] * 40)                                   # 2.0 on every prompt
+    better = entry([(64, 28)] * 30 + [(64, 32)] * 6 + [(64, 34)] * 4)
+    d = bench.paired_difference(better, old)
+    assert (d["ahead"], d["tied"], d["behind"]) == (30, 6, 4)
+    pooled = 40 * 64 / (30 * 28 + 6 * 32 + 4 * 34) - 2.0
+    assert abs(d["difference"] - pooled) < 1e-12
+    assert 0 < d["low"] < pooled < d["high"]
+    # a coin flip per prompt: the interval spans 0
+    noisy = entry([(64, 30), (64, 34)] * 20)
+    d = bench.paired_difference(noisy, old)
+    assert d["low"] < 0 < d["high"] and (d["ahead"], d["behind"]) == (20, 20)
+    # resampling is of prompts, seeded: the same call gives the same interval
+    assert bench.paired_difference(noisy, old) == d
+    # other prompts, or none recorded: no pairing
+    assert bench.paired_difference(entry([(64, 32)] * 39), old) is None
+    assert bench.paired_difference({"per_prompt": None}, old) is None
