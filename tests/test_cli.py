@@ -96,7 +96,7 @@ def test_model_cli_averages_checkpoints(tmp_path, default_cfg):
     assert not (tmp_path / "x").exists()
 
 
-SHIPPED_DRAFT = os.path.join(ROOT, "drafts", "smollm2-135m-eagle31-3k")   # README's main command
+SHIPPED_DRAFT = os.path.join(ROOT, "drafts", "smollm2-135m-eagle31-3k2")   # README's main command
 
 
 @pytest.mark.skipif(not os.path.isdir(SHIPPED_DRAFT), reason="the shipped draft is not checked out")
