@@ -76,7 +76,7 @@ def baseline_runner(target, args, stop):
 def eagle_runner(target, draft, cfg, args, stop):
     from speculate import Speculator
     spec = Speculator(target, draft, cfg.steps, cfg.topk, cfg.num_draft_tokens, args.temperature,
-                      args.top_p, stop, args.sglang_positions)
+                      args.top_p, stop, args.sglang_positions, args.sglang_tree_slots)
 
     def run(ids, gen, max_new):
         toks, s = spec.generate(ids, max_new, gen)
@@ -538,6 +538,9 @@ def parse_args(argv=None):
     ap.add_argument("--sglang-positions", action="store_true",
                     help="torch backend: draft decode steps one position later (speculate.py; "
                          "SGLang 0.5.23 matches the default)")
+    ap.add_argument("--sglang-tree-slots", action="store_true",
+                    help="torch backend, topk > 1: the draft attention of SGLang 0.5.23's tree "
+                         "drafting (each frontier slot reads its own slot's earlier rows)")
     ap.add_argument("--output", default="bench_results.json", help="JSON results file")
     ap.add_argument("--plot", default=None, help="PNG plot (default: the --output name, .png)")
     ap.add_argument("--compare", metavar="JSON", default=None,
@@ -645,10 +648,11 @@ def run_settings(args, dtype):
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "repeats": args.repeats, "seed": args.seed,
                 "sglang_positions": args.sglang_positions,
+                "sglang_tree_slots": args.sglang_tree_slots,
                 "prompt_lookup_num_tokens": args.prompt_lookup_tokens}
     if args.backend == "sglang":
         settings.update(skip_launch_server=args.skip_launch_server, server_args=args.server_args)
-        settings.pop("sglang_positions")
+        settings.pop("sglang_positions"), settings.pop("sglang_tree_slots")
     return settings
 
 

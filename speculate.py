@@ -21,7 +21,8 @@ Draft row convention (the same as train.py's and SGLang's prefill): row p pairs 
 h_p with the token x_{p+1}, at RoPE position p, and predicts x_{p+2}. `--sglang-positions` shifts
 the draft's decode steps one position later: what a reading of SGLang's draft loop suggested. Run
 here, SGLang 0.5.23's own EAGLE3 worker matches the default instead, verify round for verify round
-(tests/test_sglang_cpu.py); the flag stays as the one-later control.
+(tests/test_sglang_cpu.py); the flag stays as the one-later control. In trees SGLang's draft
+attention differs from EAGLE-2's at depth >= 3 (see draft_tree); `--sglang-tree-slots` copies it.
 
     python speculate.py --draft DIR [--prompt TEXT | --prompts FILE.jsonl] [--steps 3 --topk 1
         --num-draft-tokens 4] [--temperature 0] [--max-new-tokens 256] [--dtype bfloat16] [--check]
@@ -179,7 +180,7 @@ class Stats:
 
 class Speculator:
     def __init__(self, target, draft, steps=3, topk=1, num_draft_tokens=None, temperature=0.0,
-                 top_p=1.0, stop_ids=(), sglang_positions=False):
+                 top_p=1.0, stop_ids=(), sglang_positions=False, sglang_tree_slots=False):
         check_spec_args(steps, topk, num_draft_tokens, draft.config.draft_vocab_size)
         check_sampling_args(temperature, top_p)
         self.target, self.draft = target, draft
@@ -191,6 +192,7 @@ class Speculator:
         self.draft_ids = draft.draft_ids            # [Vd] target id of every draft id
         self.device = target.device
         self.pos_shift = 1 if sglang_positions else 0
+        self.sglang_slots = sglang_tree_slots       # SGLang 0.5.23's tree-draft attention, see draft_tree
         # Greedy draws nothing at random; sampling chains draw tokens from the draft distribution.
         self.greedy = temperature == 0
 
@@ -257,7 +259,14 @@ class Speculator:
             best = cand_score.topk(K).indices
             front_idx = base + best
             front_score, front_tok = cand_score[best], child.indices.flatten()[best]
-            front_feat, anc = h[0][best // K], anc[best // K]
+            # a kept child continues from the state that predicted it (its parent's row) and sees
+            # its parent's ancestry. SGLang 0.5.23 (topk > 1) gathers the state the same way but
+            # not the ancestry: frontier slot t's draft attention reads the rows slot t wrote at
+            # the earlier depths (intel_amx_backend.py:456, build_draft_decode_metadata: prefix +
+            # slot t's own cache slots), whoever its parent is (sgl-project/sglang issue 7523), so
+            # its depth >= 3 draft logits differ. --sglang-tree-slots reproduces that.
+            front_feat = h[0][best // K]
+            anc = anc if self.sglang_slots else anc[best // K]
         score = torch.cat(scores)
         tok = torch.cat(toks)
         parent = torch.cat(parents).tolist()
@@ -492,6 +501,9 @@ def parse_args():
     ap.add_argument("--sglang-positions", action="store_true",
                     help="draft decode steps one position later (a control: SGLang 0.5.23's "
                          "EAGLE3 worker matches the default positions, tests/test_sglang_cpu.py)")
+    ap.add_argument("--sglang-tree-slots", action="store_true",
+                    help="topk > 1: each frontier slot's draft attention reads its own slot's "
+                         "earlier rows, not its parent's, as SGLang 0.5.23's draft decode does")
     ap.add_argument("--check", action="store_true",
                     help="also decode with the target alone; exit 1 if any greedy output differs")
     ap.add_argument("--json", help="write per-prompt tokens and stats here")
@@ -507,6 +519,9 @@ def parse_args():
         raise UserError("--check compares greedy outputs: use it with --temperature 0")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads {args.threads}: expected >= 1")
+    if args.sglang_tree_slots and args.topk == 1:
+        raise UserError("--sglang-tree-slots: changes tree drafting only (--topk > 1); "
+                        "a chain (--topk 1) has one slot")
     if args.check and args.dtype == "auto":  # the proof is exact in fp32 only (see divergence)
         dtype, why = torch.float32, "auto: float32 (--check proves losslessness in float32)"
     else:
@@ -597,7 +612,8 @@ def main():
     draft = pack_linears(load_draft_for(args.draft, target, dtype))  # CPU: faster small matmuls
     pack_linears(target)
     spec = Speculator(target, draft, args.steps, args.topk, args.num_draft_tokens, args.temperature,
-                      args.top_p, stop_token_ids(tok, target.config), args.sglang_positions)
+                      args.top_p, stop_token_ids(tok, target.config), args.sglang_positions,
+                      args.sglang_tree_slots)
     gen = torch.Generator().manual_seed(args.seed)
     records = []
     for i, msgs in enumerate(prompts):

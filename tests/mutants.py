@@ -32,6 +32,7 @@ LEVERS = "tests/test_train_levers.py"
 BAD = "tests/test_bad_inputs.py"
 RESUME = "tests/test_bench.py::test_killed_run_resumes_where_it_stopped"
 PAIRED = "tests/test_bench.py::test_paired_difference_prompt_by_prompt"
+SLOTS = SP + "::test_tree_draft_attends_to_ancestors_or_sglang_slots"
 
 # (name, file, old snippet, new snippet, tests to run). `old` must occur exactly once; old and
 # new may also be tuples of snippets, applied in turn (a bug that spans several lines).
@@ -65,17 +66,23 @@ MUTANTS = [
      "            pos = torch.full((1, K), n + depth - 2 + self.pos_shift, device=dev)",
      "            pos = torch.full((1, K), n + depth - 3 + self.pos_shift, device=dev)", [TREE]),
     ("draft-tree-wrong-parent-state", "speculate.py",
-     "            front_feat, anc = h[0][best // K], anc[best // K]",
-     "            front_feat, anc = h[0][best % K], anc[best // K]", [TREE]),
+     "            front_feat = h[0][best // K]",
+     "            front_feat = h[0][best % K]", [TREE]),
     ("draft-tree-wrong-parent-ancestry", "speculate.py",
-     "            front_feat, anc = h[0][best // K], anc[best // K]",
-     "            front_feat, anc = h[0][best // K], anc[best % K]", [TREE]),
+     "            anc = anc if self.sglang_slots else anc[best // K]",
+     "            anc = anc if self.sglang_slots else anc[best % K]", [TREE, SLOTS]),
+    ("draft-tree-sglang-slot-attention-always", "speculate.py",
+     "            anc = anc if self.sglang_slots else anc[best // K]",
+     "            anc = anc", [TREE, SLOTS]),
+    ("draft-tree-sglang-slots-ignored", "speculate.py",
+     "            anc = anc if self.sglang_slots else anc[best // K]",
+     "            anc = anc[best // K]", [SLOTS]),
     ("draft-tree-ids-without-d2t", "speculate.py",
      "            lg, h = self.draft(self.draft_ids[front_tok][None], front_feat[None], pos,",
      "            lg, h = self.draft(front_tok[None], front_feat[None], pos,", [TREE]),
     ("draft-tree-root-feature-at-every-depth", "speculate.py",
-     "            front_feat, anc = h[0][best // K], anc[best // K]",
-     "            anc = anc[best // K]", [TREE]),
+     "            front_feat = h[0][best // K]",
+     "            pass", [TREE]),
     ("draft-tree-drops-a-node", "speculate.py",
      "        order = torch.sort(score, descending=True, stable=True).indices[:self.num_draft_tokens - 1]",
      "        order = torch.sort(score, descending=True, stable=True).indices[:self.num_draft_tokens - 2]",

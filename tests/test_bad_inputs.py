@@ -57,6 +57,7 @@ def test_generate_rejects_bad_lengths():
     (["--top-p", "1.01"], r"--top-p 1.01: expected in \(0, 1\]"),
     (["--temperature", "-1"], r"--temperature -1.0: expected >= 0"),
     (["--max-new-tokens", "0"], r"--max-new-tokens 0: expected >= 1"),
+    (["--sglang-tree-slots"], r"--sglang-tree-slots: changes tree drafting only \(--topk > 1\)"),
 ])
 def test_speculate_cli_rejects(monkeypatch, tmp_path, extra, match):
     monkeypatch.setattr(sys, "argv", ["speculate.py", "--draft", str(tmp_path), *extra])

@@ -116,6 +116,59 @@ def test_greedy_identical_random_draft(steps, topk, ndt):
         assert accepted > 0  # trees do accept some random guesses, so the KV gather is exercised
 
 
+class TreeSpy:
+    """Wraps the draft's forward and records, for every masked call (a tree depth >= 2), the
+    cache length before it, the tokens in, the attention mask and the logits out."""
+
+    def __init__(self, draft):
+        self.draft, self.calls = draft, []
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def __call__(self, ids, g, pos, cache=None, mask=None):
+        before = cache.len
+        lg, h = self.draft(ids, g, pos, cache, mask)
+        if mask is not None:
+            self.calls.append((before, ids[0].tolist(), mask[0, 0].clone(), lg[0].clone()))
+        return lg, h
+
+
+@pytest.mark.parametrize("slots", [False, True])
+def test_tree_draft_attends_to_ancestors_or_sglang_slots(slots):
+    """At depth d >= 3 each frontier row sees one tree row per earlier depth. EAGLE-2 (the
+    default): the row of its parent, checked here independently: the row's token is among the
+    top-k children the draft predicted at the row it attends to. --sglang-tree-slots (SGLang
+    0.5.23's draft decode): the rows its own slot wrote, i.e. slot t sees column t of every
+    earlier depth, whoever its parent is. A random draft, so frontier parents move between
+    slots; lossless either way."""
+    t, d = random_pair()
+    K = 3
+    spy = TreeSpy(d)
+    spec = Speculator(t, spy, 4, K, 10, stop_ids=(), sglang_tree_slots=slots)
+    for i, p in enumerate(prompts(6, 64, seed=11)):
+        ref, _ = target_generate(t, p, 24)
+        assert spec.generate(p, 24)[0] == ref, f"prompt {i}"
+    moved = 0   # frontier rows whose parent is not their own slot
+    for prev, cur in zip(spy.calls, spy.calls[1:]):
+        before, toks, mask, _ = cur
+        if before != prev[0] + K:
+            continue                                    # a new round starts at depth 2
+        _, ptoks, _, plog = prev
+        last = mask[:, -2 * K:-K]                       # the rows the previous depth wrote
+        assert (last.sum(1) == 1).all() and (mask[:, -K:] == torch.eye(K, dtype=torch.bool)).all()
+        col = last.float().argmax(1).tolist()
+        kids = plog.topk(K, dim=-1).indices
+        for r in range(K):
+            parent = [j for j in range(K) if int(d.draft_ids[kids[j]].eq(toks[r]).any())]
+            moved += col[r] != r
+            if slots:
+                assert col[r] == r, (r, col)
+            else:
+                assert col[r] in parent, (r, col[r], parent)
+    assert moved == 0 if slots else moved > 20, moved
+
+
 @pytest.mark.parametrize("steps,topk,ndt", CONFIGS)
 def test_greedy_identical_high_acceptance(steps, topk, ndt):
     eos = 5
