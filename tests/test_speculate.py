@@ -149,24 +149,24 @@ def test_tree_draft_attends_to_ancestors_or_sglang_slots(slots):
     for i, p in enumerate(prompts(6, 64, seed=11)):
         ref, _ = target_generate(t, p, 24)
         assert spec.generate(p, 24)[0] == ref, f"prompt {i}"
-    moved = 0   # frontier rows whose parent is not their own slot
+    moved = 0   # frontier rows whose own slot's previous row is not a parent of theirs
     for prev, cur in zip(spy.calls, spy.calls[1:]):
         before, toks, mask, _ = cur
         if before != prev[0] + K:
             continue                                    # a new round starts at depth 2
-        _, ptoks, _, plog = prev
+        plog = prev[3]
         last = mask[:, -2 * K:-K]                       # the rows the previous depth wrote
         assert (last.sum(1) == 1).all() and (mask[:, -K:] == torch.eye(K, dtype=torch.bool)).all()
         col = last.float().argmax(1).tolist()
         kids = plog.topk(K, dim=-1).indices
         for r in range(K):
             parent = [j for j in range(K) if int(d.draft_ids[kids[j]].eq(toks[r]).any())]
-            moved += col[r] != r
+            moved += r not in parent
             if slots:
                 assert col[r] == r, (r, col)
             else:
                 assert col[r] in parent, (r, col[r], parent)
-    assert moved == 0 if slots else moved > 20, moved
+    assert moved >= 10, moved   # so the two views really differ (measured 14 / 17 rows)
 
 
 @pytest.mark.parametrize("steps,topk,ndt", CONFIGS)
