@@ -88,6 +88,42 @@ def init_lm_head(draft, target, args):
         draft.lm_head.weight.requires_grad_(False)
 
 
+def init_layer_from_target(draft, args):
+    """--layer-init-from L: the draft's decoder layer starts as the target's layer L wherever the
+    two read the same thing. The draft's attention reads [input_layernorm(e), hidden_norm(g)]
+    (2H wide); the target's reads input_layernorm(x) (H). So q/k/v's second half of columns (the
+    feature half) and hidden_norm take the target's q/k/v and input_layernorm; the token half
+    keeps its random start. o_proj, post_attention_layernorm and the MLP are copied whole. A
+    trained layer instead of a random one is the lever (issue 23: learn more per FLOP early);
+    RoPE and head shapes must match, which they do when the draft copies the target's config."""
+    if args.layer_init_from is None:
+        return
+    from common import load_target
+    model, _ = load_target(args.target, "float32", "cpu", args.trust_remote_code)  # once, whole
+    layers = model.get_decoder().layers
+    L = args.layer_init_from
+    if not -len(layers) <= L < len(layers):
+        raise UserError(f"--layer-init-from {L}: the target has {len(layers)} decoder layers "
+                        f"(expected 0..{len(layers) - 1}, or negative from the end)")
+    src, dst = layers[L], draft.midlayer
+    H = draft.config.hidden_size
+    pairs = [(dst.self_attn.o_proj.weight, src.self_attn.o_proj.weight),
+             (dst.post_attention_layernorm.weight, src.post_attention_layernorm.weight),
+             (dst.hidden_norm.weight, src.input_layernorm.weight)]
+    pairs += [(getattr(dst.mlp, n).weight, getattr(src.mlp, n).weight)
+              for n in ("gate_proj", "up_proj", "down_proj")]
+    pairs += [(getattr(dst.self_attn, n).weight[:, H:], getattr(src.self_attn, n).weight)
+              for n in ("q_proj", "k_proj", "v_proj")]
+    for d, s in pairs:
+        if d.shape != s.shape:
+            raise UserError(f"--layer-init-from {L}: the draft's layer has {tuple(d.shape)} "
+                            f"where the target's has {tuple(s.shape)}; it needs the target's "
+                            f"hidden, head and MLP sizes")
+    with torch.no_grad():
+        for d, s in pairs:
+            d.copy_(s.float())
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed setup
 
@@ -130,6 +166,9 @@ def parse_args(argv=None):
     ap.add_argument("--lm-head-init", default="random", choices=["random", "target"],
                     help="a new draft's lm_head: std-0.02 random, or the target's lm_head rows for "
                          "the draft vocabulary (both read a final-normed H-wide state)")
+    ap.add_argument("--layer-init-from", type=int, default=None, metavar="L",
+                    help="a new draft's decoder layer starts from the target's layer L (-1: the "
+                         "last): MLP, o_proj, norms and the feature half of q/k/v")
     ap.add_argument("--freeze-lm-head", action="store_true",
                     help="keep lm_head fixed (with --lm-head-init target or --init): Vd*H fewer "
                          "trainable parameters, no lm_head gradient")
@@ -251,6 +290,8 @@ def check_args(a):
         raise UserError("--keep-best picks by the held-out eval: it needs --eval-fraction > 0")
     if a.init and a.lm_head_init != "random":
         raise UserError("--lm-head-init starts a new draft's lm_head; --init brings its own")
+    if a.init and a.layer_init_from is not None:
+        raise UserError("--layer-init-from starts a new draft's layer; --init brings its own")
     if a.freeze_lm_head and a.lm_head_init == "random" and not a.init:
         raise UserError("--freeze-lm-head would freeze a random lm_head: add --lm-head-init target "
                         "(or --init DRAFT)")
@@ -341,6 +382,7 @@ def build_draft(r):
         draft = Eagle3Draft(cfg, embed)
         draft.set_vocab(vocab["draft_ids"])
     init_lm_head(draft, target, args)
+    init_layer_from_target(draft, args)
     r.draft, r.cfg = draft, cfg
     r.t2d = draft.t2d.clone().to(r.device)
     r.lm_w_draft = r.lm_w[vocab["draft_ids"].to(r.device)].contiguous()   # [Vd, Ht]

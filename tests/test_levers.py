@@ -1,6 +1,6 @@
 """Training levers of issue 23 (train.py flags; the ablations that rank them are runs, not tests):
---ttt-loss-rows chain (step j's loss only where steps 0..j-1 were right), --lm-head-init target
-and --freeze-lm-head."""
+--ttt-loss-rows chain (step j's loss only where steps 0..j-1 were right), --lm-head-init target,
+--freeze-lm-head and --layer-init-from."""
 import json
 import os
 
@@ -94,10 +94,51 @@ def test_keep_best_is_the_best_held_out_eval(tmp_path, dirs):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_layer_init_from_target(tmp_path, dirs):
+    """--layer-init-from -1: after one step at lr 1e-9 the draft's layer is still the target's last
+    layer where both read the same input (MLP, o_proj, norms, q/k/v's feature half), while the
+    token half of q/k/v is the draft's own random start; a layer index out of range is a one-line
+    error."""
+    from common import load_target
+    tdir, data = dirs
+    flags = ["--data", data, "--offline", "--batch-size", "2", "--max-steps", "1", "--ttt-length",
+             "2", "--lr", "1e-9", "--export-dtype", "float32"] + FP32
+    out = str(tmp_path / "run")
+    run_train(flags + ["--out", out, "--layer-init-from", "-1"])
+    import rundir
+    sd = load_file(os.path.join(rundir.list_checkpoints(out)[-1], "model.safetensors"))
+    target, _ = load_target(tdir)
+    src = target.model.layers[-1]
+    H = target.config.hidden_size
+    same = {"midlayer.mlp.gate_proj.weight": src.mlp.gate_proj.weight,
+            "midlayer.mlp.down_proj.weight": src.mlp.down_proj.weight,
+            "midlayer.self_attn.o_proj.weight": src.self_attn.o_proj.weight,
+            "midlayer.hidden_norm.weight": src.input_layernorm.weight,
+            "midlayer.post_attention_layernorm.weight": src.post_attention_layernorm.weight}
+    for n in ("q_proj", "k_proj", "v_proj"):
+        w = sd[f"midlayer.self_attn.{n}.weight"]
+        assert w.shape[1] == 2 * H
+        same[n] = getattr(src.self_attn, n).weight
+        sd[n] = w[:, H:]
+        # the token half is not the target's (a random start of std ~0.02)
+        assert not torch.allclose(w[:, :H], same[n].float(), atol=1e-3)
+    for k, ref in same.items():
+        assert torch.allclose(sd[k], ref.float(), atol=1e-6), k
+    # without the flag the layer is random: the check above would fail
+    plain = str(tmp_path / "plain")
+    run_train(flags + ["--out", plain])
+    sd0 = load_file(os.path.join(rundir.list_checkpoints(plain)[-1], "model.safetensors"))
+    assert not torch.allclose(sd0["midlayer.mlp.gate_proj.weight"], src.mlp.gate_proj.weight,
+                              atol=1e-3)
+    p = run_train(flags + ["--out", str(tmp_path / "bad"), "--layer-init-from", "99"], check=False)
+    assert p.returncode != 0 and "--layer-init-from 99" in p.stderr and "Traceback" not in p.stderr
+
+
 @pytest.mark.parametrize("extra,msg", [
     (["--freeze-lm-head"], "would freeze a random lm_head"),
     (["--keep-best", "--eval-fraction", "0"], "needs --eval-fraction > 0"),
     (["--lm-head-init", "target", "--init", "x"], "--init brings its own"),
+    (["--layer-init-from", "-1", "--init", "x"], "starts a new draft's layer"),
 ])
 def test_lever_flag_errors(extra, msg):
     import train
