@@ -432,6 +432,8 @@ def format_comparison(entries, other, path):
     by = {(e["benchmark"], e["config"]): e for e in other["results"]}
     theirs = other["results"][0]["settings"].get("backend", "earlier")
     ours = entries[0]["settings"]["backend"] if entries else "this run"
+    if ours == theirs:   # two drafts (or two modes) on one backend: name the runs, not the backend
+        ours, theirs = "this run", "compared"
     rows = [["benchmark", "config", f"{ours} accept len", f"{theirs} accept len", "rounds",
              "new tokens", "prompts ahead/tied/behind, 95% interval of the difference"]]
     for e in entries:

@@ -579,6 +579,11 @@ def test_compare_prints_accept_length_beside_an_earlier_run(tmp_path):
                      "-"]]   # no per-prompt records: no paired figures
     assert "sglang accept len" in text and "torch accept len" in text
     assert "settings differ" not in text
+    # two drafts on one backend: the columns name the runs, not the backend twice
+    same = [entry("torch", "1,3,1,4", 1.8, 97, 175)]
+    text2 = bench.format_comparison(same, bench.read_results(str(path)), str(path))
+    assert "this run accept len" in text2 and "compared accept len" in text2
+    assert "torch accept len" not in text2
     for e in ours:
         e["settings"]["max_new_tokens"] = 32
     assert "settings differ: max_new_tokens" in bench.format_comparison(
