@@ -88,16 +88,21 @@ def init_lm_head(draft, target, args):
         draft.lm_head.weight.requires_grad_(False)
 
 
-def init_layer_from_target(draft, args):
+def init_layer_from_target(draft, args, seqs):
     """--layer-init-from L: the draft's decoder layer starts as the target's layer L wherever the
     two read the same thing. The draft's attention reads [input_layernorm(e), hidden_norm(g)]
     (2H wide); the target's reads input_layernorm(x) (H). So q/k/v's second half of columns (the
     feature half) and hidden_norm take the target's q/k/v and input_layernorm; the token half
-    keeps its random start. o_proj, post_attention_layernorm and the MLP are copied whole. A
-    trained layer instead of a random one is the lever (issue 23: learn more per FLOP early);
-    RoPE and head shapes must match, which they do when the draft copies the target's config."""
-    if args.layer_init_from is None:
-        return
+    keeps its random start. post_attention_layernorm and the MLP's gate/up are copied whole.
+    Scale: the target's layer maps x -> x + a(norm x) + m(norm(x + a)); both branches read
+    normed inputs, so with o_proj and down_proj multiplied by c it maps x/r -> layer(x)/r for
+    c = 1/r. The target's stream enters layer L at RMS r (~20 in SmolLM2's last layer), the
+    draft's g at ~1 (--fc-init rms), so c = 1/r, r measured on the first data sequences (median
+    per-row RMS; row 0, the attention sink, is skipped): the layer's updates keep their size
+    relative to the stream they add to. A trained layer instead of a random one is the lever
+    (issue 23: learn more per FLOP early); head shapes and RoPE come from the target's config."""
+    if args.layer_init_from is None or args.resume:   # a resumed run loads its own weights
+        return None
     from common import load_target
     model, _ = load_target(args.target, "float32", "cpu", args.trust_remote_code)  # once, whole
     layers = model.get_decoder().layers
@@ -105,23 +110,36 @@ def init_layer_from_target(draft, args):
     if not -len(layers) <= L < len(layers):
         raise UserError(f"--layer-init-from {L}: the target has {len(layers)} decoder layers "
                         f"(expected 0..{len(layers) - 1}, or negative from the end)")
+    L %= len(layers)
+    rows = []
+    with torch.no_grad():
+        for q in seqs[:8]:
+            ids = torch.tensor(q["input_ids"][:256])[None]
+            x = model(ids, output_hidden_states=True).hidden_states[L][0, 1:]   # input of layer L
+            rows.append(x.float().pow(2).mean(-1).sqrt())
+    r = float(torch.cat(rows).median())
     src, dst = layers[L], draft.midlayer
     H = draft.config.hidden_size
-    pairs = [(dst.self_attn.o_proj.weight, src.self_attn.o_proj.weight),
-             (dst.post_attention_layernorm.weight, src.post_attention_layernorm.weight),
-             (dst.hidden_norm.weight, src.input_layernorm.weight)]
-    pairs += [(getattr(dst.mlp, n).weight, getattr(src.mlp, n).weight)
-              for n in ("gate_proj", "up_proj", "down_proj")]
-    pairs += [(getattr(dst.self_attn, n).weight[:, H:], getattr(src.self_attn, n).weight)
+    pairs = [(dst.self_attn.o_proj.weight, src.self_attn.o_proj.weight, 1 / r),
+             (dst.post_attention_layernorm.weight, src.post_attention_layernorm.weight, 1.0),
+             (dst.hidden_norm.weight, src.input_layernorm.weight, 1.0),
+             (dst.mlp.gate_proj.weight, src.mlp.gate_proj.weight, 1.0),
+             (dst.mlp.up_proj.weight, src.mlp.up_proj.weight, 1.0),
+             (dst.mlp.down_proj.weight, src.mlp.down_proj.weight, 1 / r)]
+    pairs += [(getattr(dst.self_attn, n).weight[:, H:], getattr(src.self_attn, n).weight, 1.0)
               for n in ("q_proj", "k_proj", "v_proj")]
-    for d, s in pairs:
-        if d.shape != s.shape:
+    for d, w, _ in pairs:
+        if d.shape != w.shape:
             raise UserError(f"--layer-init-from {L}: the draft's layer has {tuple(d.shape)} "
-                            f"where the target's has {tuple(s.shape)}; it needs the target's "
+                            f"where the target's has {tuple(w.shape)}; it needs the target's "
                             f"hidden, head and MLP sizes")
     with torch.no_grad():
-        for d, s in pairs:
-            d.copy_(s.float())
+        for d, w, c in pairs:
+            d.copy_(w.float() * c)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"decoder layer initialised from the target's layer {L} (its input RMS {r:.4g}: "
+              f"o_proj and down_proj x {1 / r:.4g})", file=sys.stderr)
+    return r
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,7 +400,7 @@ def build_draft(r):
         draft = Eagle3Draft(cfg, embed)
         draft.set_vocab(vocab["draft_ids"])
     init_lm_head(draft, target, args)
-    init_layer_from_target(draft, args)
+    init_layer_from_target(draft, args, r.seqs)
     r.draft, r.cfg = draft, cfg
     r.t2d = draft.t2d.clone().to(r.device)
     r.lm_w_draft = r.lm_w[vocab["draft_ids"].to(r.device)].contiguous()   # [Vd, Ht]

@@ -95,36 +95,69 @@ def test_keep_best_is_the_best_held_out_eval(tmp_path, dirs):
 
 
 def test_layer_init_from_target(tmp_path, dirs):
-    """--layer-init-from -1: after one step at lr 1e-9 the draft's layer is still the target's last
-    layer where both read the same input (MLP, o_proj, norms, q/k/v's feature half), while the
-    token half of q/k/v is the draft's own random start; a layer index out of range is a one-line
-    error."""
+    """--layer-init-from -1 (after one step at lr 1e-9): the draft's layer is the target's last
+    layer where both read the same input (MLP gate/up, norms, q/k/v's feature half) and its
+    o_proj / down_proj are the target's times 1/r, r the RMS of the stream entering that layer on
+    the data (the trainer prints it); so on a feature g that attends only to itself the draft's
+    layer computes target_layer(r g) / r. The token half of q/k/v keeps its random start; a layer
+    index out of range is a one-line error."""
+    import re
     from common import load_target
+    from model import load_draft_for
     tdir, data = dirs
     flags = ["--data", data, "--offline", "--batch-size", "2", "--max-steps", "1", "--ttt-length",
              "2", "--lr", "1e-9", "--export-dtype", "float32"] + FP32
     out = str(tmp_path / "run")
-    run_train(flags + ["--out", out, "--layer-init-from", "-1"])
+    p = run_train(flags + ["--out", out, "--layer-init-from", "-1"])
+    r = float(re.search(r"its input RMS ([0-9.e+-]+)", p.stderr).group(1))
     import rundir
-    sd = load_file(os.path.join(rundir.list_checkpoints(out)[-1], "model.safetensors"))
+    ck = rundir.list_checkpoints(out)[-1]
+    sd = load_file(os.path.join(ck, "model.safetensors"))
     target, _ = load_target(tdir)
     src = target.model.layers[-1]
     H = target.config.hidden_size
+    # r is the median per-row RMS of that layer's input on the data (row 0 skipped), not 1
+    seqs = [json.loads(x) for x in open(os.path.join(data, "sequences.jsonl"))][:8]
+    with torch.no_grad():
+        rows = torch.cat([target(torch.tensor(q["input_ids"][:256])[None], output_hidden_states=True)
+                          .hidden_states[-2][0, 1:].pow(2).mean(-1).sqrt() for q in seqs])
+    assert abs(r - float(rows.median())) < 0.01 * r and abs(r - 1) > 0.1
     same = {"midlayer.mlp.gate_proj.weight": src.mlp.gate_proj.weight,
-            "midlayer.mlp.down_proj.weight": src.mlp.down_proj.weight,
-            "midlayer.self_attn.o_proj.weight": src.self_attn.o_proj.weight,
+            "midlayer.mlp.up_proj.weight": src.mlp.up_proj.weight,
             "midlayer.hidden_norm.weight": src.input_layernorm.weight,
-            "midlayer.post_attention_layernorm.weight": src.post_attention_layernorm.weight}
+            "midlayer.post_attention_layernorm.weight": src.post_attention_layernorm.weight,
+            "midlayer.self_attn.o_proj.weight": src.self_attn.o_proj.weight / r,
+            "midlayer.mlp.down_proj.weight": src.mlp.down_proj.weight / r}
     for n in ("q_proj", "k_proj", "v_proj"):
         w = sd[f"midlayer.self_attn.{n}.weight"]
         assert w.shape[1] == 2 * H
         same[n] = getattr(src.self_attn, n).weight
         sd[n] = w[:, H:]
-        # the token half is not the target's (a random start of std ~0.02)
-        assert not torch.allclose(w[:, :H], same[n].float(), atol=1e-3)
+        assert not torch.allclose(w[:, :H], same[n].float(), atol=1e-3)   # the token half
     for k, ref in same.items():
-        assert torch.allclose(sd[k], ref.float(), atol=1e-6), k
-    # without the flag the layer is random: the check above would fail
+        assert torch.allclose(sd[k], ref.float(), atol=1e-5, rtol=1e-3), k
+    # the function: one row attends only to itself, so attention is v -> o; with the token half
+    # of q/k/v zeroed the draft's layer on g is the target's on r g, over r
+    draft = load_draft_for(ck, target, torch.float32)
+    lay = draft.midlayer
+    with torch.no_grad():
+        for n in ("q_proj", "k_proj", "v_proj"):
+            getattr(lay.self_attn, n).weight[:, :H] = 0
+        g = torch.randn(1, 1, H, generator=torch.Generator().manual_seed(0))
+        e = torch.randn(1, 1, H)
+        cos, sin = draft.rotary(torch.zeros(1, 1, dtype=torch.long), torch.float32)
+        ours = lay(e, g, cos, sin)
+        x = (r * g).float()
+        for norm in (src.input_layernorm, src.post_attention_layernorm):   # eps scales with r^2
+            norm.variance_epsilon *= r * r
+        cfg = target.config
+        v = src.self_attn.v_proj(src.input_layernorm(x)).view(cfg.num_key_value_heads, -1)
+        a = src.self_attn.o_proj(v.repeat_interleave(cfg.num_attention_heads
+                                                     // cfg.num_key_value_heads, 0).reshape(1, 1, -1))
+        h1 = x + a
+        theirs = (h1 + src.mlp(src.post_attention_layernorm(h1))) / r
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-3), (ours - theirs).abs().max()
+    # without the flag the layer is random: the checks above would fail
     plain = str(tmp_path / "plain")
     run_train(flags + ["--out", plain])
     sd0 = load_file(os.path.join(rundir.list_checkpoints(plain)[-1], "model.safetensors"))
