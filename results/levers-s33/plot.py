@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--x", default="step", choices=["step", "tokens"],
                     help="x axis: the step, or training tokens (arms whose steps differ: "
                          "session 36's data subsets)")
+    ap.add_argument("--own-title", default="own split (3% of the run's data)",
+                    help="the middle panel's title: what the runs' own held-out split is")
     args = ap.parse_args()
     R, arms = args.runs, [tuple(x.split("=", 1)) for x in args.arms] if args.arms else ARMS
     if any(len(x) != 2 for x in arms):
@@ -65,9 +67,13 @@ def main():
             ax[2].plot(list(h), list(h.values()), marker="o", color=f"C{i}", label=label)
     xl = "step (2 sequences)" if args.x == "step" else "training tokens"
     ax[0].set(xlabel=xl, ylabel="learning rate", title="schedule")
-    ax[1].set(xlabel=xl, ylabel="replayed accept length", title="own split (3% of the run's data)")
+    ax[1].set(xlabel=xl, ylabel="replayed accept length", title=args.own_title)
     ax[2].set(xlabel=xl, ylabel="replayed accept length",
               title="held-out h41 (90 conversations, 24,541 rows)")
+    if not any(out["h41"].values()):   # arms measured only on their own split (session 41)
+        ax[2].remove()
+        ax = ax[:2]
+        fig.set_size_inches(10, 4)
     for a in ax:
         a.legend(fontsize=8)
         if args.x == "tokens":
