@@ -16,6 +16,7 @@ from conftest import ROOT, make_tiny_target
 from runscript import run_script
 
 import bench
+import bench_report
 import bench_sglang
 import benchmarks
 import sglang_engine
@@ -159,7 +160,7 @@ def test_torch_backend_end_to_end(tiny, tmp_path):
         assert {p["category"] for p in e["per_prompt"]} == {"writing"}
     assert {p["turn"] for p in mt[0]["per_prompt"]} == {0, 1}
     from model import WEIGHTS_NAME
-    assert d["draft"]["sha256"] == bench.sha256_file(os.path.join(tiny["draft"], WEIGHTS_NAME))
+    assert d["draft"]["sha256"] == bench_report.sha256_file(os.path.join(tiny["draft"], WEIGHTS_NAME))
     assert d["target"]["path"] == os.path.abspath(tiny["target"]) and len(d["target"]["sha256"]) == 64
     assert {"platform", "cpu_count", "torch_threads", "device"} <= set(d["machine"])
     assert {"torch", "transformers", "python"} <= set(d["versions"])
@@ -213,10 +214,10 @@ def test_bad_input_writes_nothing(tiny, tmp_path, extra, needle):
 def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a):
         raise KeyboardInterrupt
-    monkeypatch.setattr(bench, "plot", boom)
+    monkeypatch.setattr(bench_report, "plot", boom)
     payload = {"results": []}
     with pytest.raises(KeyboardInterrupt):
-        bench.write_outputs(payload, str(tmp_path / "r.json"), str(tmp_path / "r.png"))
+        bench_report.write_outputs(payload, str(tmp_path / "r.json"), str(tmp_path / "r.png"))
     assert os.listdir(tmp_path) == []
 
 
@@ -573,7 +574,7 @@ def test_compare_prints_accept_length_beside_an_earlier_run(tmp_path):
     path.write_text(json.dumps(torch_run))
     ours = [entry("sglang", "1,0,0,0", 1.0, None, 10), entry("sglang", "1,3,1,4", 1.7, 103, 175),
             entry("sglang", "1,3,4,8", 2.1, 80, 168)]
-    text = bench.format_comparison(ours, bench.read_results(str(path)), str(path))
+    text = bench_report.format_comparison(ours, bench_report.read_results(str(path)), str(path))
     rows = [line.split() for line in text.splitlines()[3:]]
     assert rows == [["mtbench", "1,3,1,4", "1.700", "1.750", "103", "/", "100", "175", "/", "175",
                      "-"]]   # no per-prompt records: no paired figures
@@ -581,16 +582,16 @@ def test_compare_prints_accept_length_beside_an_earlier_run(tmp_path):
     assert "settings differ" not in text
     # two drafts on one backend: the columns name the runs, not the backend twice
     same = [entry("torch", "1,3,1,4", 1.8, 97, 175)]
-    text2 = bench.format_comparison(same, bench.read_results(str(path)), str(path))
+    text2 = bench_report.format_comparison(same, bench_report.read_results(str(path)), str(path))
     assert "this run accept len" in text2 and "compared accept len" in text2
     assert "torch accept len" not in text2
     for e in ours:
         e["settings"]["max_new_tokens"] = 32
-    assert "settings differ: max_new_tokens" in bench.format_comparison(
-        ours, bench.read_results(str(path)), str(path))
+    assert "settings differ: max_new_tokens" in bench_report.format_comparison(
+        ours, bench_report.read_results(str(path)), str(path))
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(UserError, match="--compare .*bad.json: not a bench.py results file"):
-        bench.read_results(str(tmp_path / "bad.json"))
+        bench_report.read_results(str(tmp_path / "bad.json"))
 
 
 def test_paired_difference_prompt_by_prompt():
@@ -601,17 +602,17 @@ def test_paired_difference_prompt_by_prompt():
                                 "rounds": r} for i, (t, r) in enumerate(pairs)]}
     old = entry([(64, 32)] * 40)                                   # 2.0 on every prompt
     better = entry([(64, 28)] * 30 + [(64, 32)] * 6 + [(64, 34)] * 4)
-    d = bench.paired_difference(better, old)
+    d = bench_report.paired_difference(better, old)
     assert (d["ahead"], d["tied"], d["behind"]) == (30, 6, 4)
     pooled = 40 * 64 / (30 * 28 + 6 * 32 + 4 * 34) - 2.0
     assert abs(d["difference"] - pooled) < 1e-12
     assert 0 < d["low"] < pooled < d["high"]
     # a coin flip per prompt: the interval spans 0
     noisy = entry([(64, 30), (64, 34)] * 20)
-    d = bench.paired_difference(noisy, old)
+    d = bench_report.paired_difference(noisy, old)
     assert d["low"] < 0 < d["high"] and (d["ahead"], d["behind"]) == (20, 20)
     # resampling is of prompts, seeded: the same call gives the same interval
-    assert bench.paired_difference(noisy, old) == d
+    assert bench_report.paired_difference(noisy, old) == d
     # other prompts, or none recorded: no pairing
-    assert bench.paired_difference(entry([(64, 32)] * 39), old) is None
-    assert bench.paired_difference({"per_prompt": None}, old) is None
+    assert bench_report.paired_difference(entry([(64, 32)] * 39), old) is None
+    assert bench_report.paired_difference({"per_prompt": None}, old) is None
