@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 42: after the two arms: held-out at TTT 5 for the three drafts, then MT-Bench 40 x 2
 # (chain 1,3,1,4 and tree 1,5,4,8, 64 tokens, fp32) for each, one thread each, side by side.
+# The arms: results/levers-s41/arm.sh with SESSION=42 (its header has the two commands).
 B=/root/eagle3/b42; R=/root/eagle3/runs
 while pgrep -f "s42-ttt[45] " > /dev/null || pgrep -f "arm.sh ttt" > /dev/null; do sleep 20; done
 echo "arms done $(date -u +%T)"
