@@ -619,7 +619,8 @@ def test_sglang_eagle3_worker_layout_draft(tmp_path):
         assert rounds_differ(c, m, st) is None, (rounds_differ(c, m, st), c, round_sizes(st))
         accepted += sum(st["accepted"])
     print(f"layout draft in SGLang's EAGLE3 worker: {accepted} drafts accepted over "
-          f"{sum(m['spec_verify_ct'] for m in metas)} rounds, every round equal to speculate.py's")
+          f"{sum(m['spec_verify_ct'] for m in metas)} rounds ({sum(len(c) - 1 for c in chunks)} "
+          f"streamed chunks), every round equal to speculate.py's")
     assert accepted >= 10   # rounds that accept drafts are compared too
 
 
