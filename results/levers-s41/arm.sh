@@ -6,6 +6,8 @@
 #   ./arm.sh topk32 --distill-topk 32           # session 41
 #   SESSION=42 STEPS=850 CODE=/root/eagle3/code-s42 ./arm.sh ttt4 --ttt-length 4   # 3dd24cd
 #   SESSION=42 STEPS=780 CODE=/root/eagle3/code-s42 ./arm.sh ttt5 --ttt-length 5
+#   SESSION=42 STEPS=1000 CODE=/root/eagle3/code-s42 ./arm.sh wd05 --weight-decay 0.5   # started
+#   SESSION=42 STEPS=1000 CODE=/root/eagle3/code-s42 ./arm.sh muonlr5 --muon-lr 5e-3   # in s42
 # Resumable: rerun the same command (it adds --resume where the run has checkpoints).
 name=$1; shift
 S=${SESSION:-41}; out=/root/eagle3/runs/s$S-$name; mkdir -p /root/eagle3/b$S
