@@ -616,7 +616,8 @@ def test_sglang_eagle3_worker_layout_draft(tmp_path):
         ref = target_greedy(target, p, 32)
         assert o == ref
         assert out == ref, (out, ref)
-        assert rounds_differ(c, m, st) is None, (rounds_differ(c, m, st), c, round_sizes(st))
+        why = rounds_differ(c, m, st)
+        assert why is None, (why, c, round_sizes(st))
         accepted += sum(st["accepted"])
     print(f"layout draft in SGLang's EAGLE3 worker: {accepted} drafts accepted over "
           f"{sum(m['spec_verify_ct'] for m in metas)} rounds ({sum(len(c) - 1 for c in chunks)} "
@@ -660,6 +661,7 @@ def test_sglang_eagle3_worker_lookup_layout(layout, tmp_path):
         print(f"{layout}: prompt of {len(p)}: SGLang chunks {c[1:]}, speculate.py "
               f"{round_sizes(st)}")
         assert out == ref, (out, ref)
-        assert rounds_differ(c, m, st) is None, (rounds_differ(c, m, st), c, round_sizes(st))
+        why = rounds_differ(c, m, st)
+        assert why is None, (why, c, round_sizes(st))
     print(f"{layout}: {accepted} drafts accepted over {rounds} rounds, every round equal")
     assert accepted >= 2 * rounds   # the draft is right most of the time: rounds matter
