@@ -8,6 +8,7 @@
 #   SESSION=42 STEPS=780 CODE=/root/eagle3/code-s42 ./arm.sh ttt5 --ttt-length 5
 #   SESSION=42 STEPS=1000 CODE=/root/eagle3/code-s42 ./arm.sh wd05 --weight-decay 0.5   # started
 #   SESSION=42 STEPS=1000 CODE=/root/eagle3/code-s42 ./arm.sh muonlr5 --muon-lr 5e-3   # in s42
+# (both lost with the disk at step ~500; session 43 rebuilds the data: results/levers-s42/data.sh)
 # Resumable: rerun the same command (it adds --resume where the run has checkpoints).
 name=$1; shift
 S=${SESSION:-41}; out=/root/eagle3/runs/s$S-$name; mkdir -p /root/eagle3/b$S
@@ -16,7 +17,7 @@ extra=""; ls $out/checkpoints/step-* > /dev/null 2>&1 && extra="--resume"
 echo "start $name $(date -u +%T)"
 OMP_NUM_THREADS=1 python train.py --data /root/eagle3/data/s3738 --out $out --offline \
   --ttt-length 3 --optimizer muon --lr 3e-3 --batch-size 2 --ttt-decay 0.5 --lm-head-init target \
-  --draft-config /root/eagle3/e31.json --warmup 0.03 --max-steps ${STEPS:-1000} --weight-decay 0.3 \
+  --draft-config results/levers-s33/e31.json --warmup 0.03 --max-steps ${STEPS:-1000} --weight-decay 0.3 \
   --eval-fraction 0.05 --eval-every 250 --save-every 50 --keep 2 --threads 1 --seed 0 \
   --no-progress "$@" $extra >> /root/eagle3/b$S/$name.log 2>&1
 echo "done $name $(date -u +%T)"
