@@ -6,8 +6,9 @@
 # skips what is done, arm.sh adds --resume; checkpoints every 50 steps), then MT-Bench 40 x 2 (chain
 # 1,3,1,4 and tree 1,5,4,8, 64 tokens, fp32) of each arm's last checkpoint, one thread each.
 #   cd /root/eagle3/code-s43 && nohup results/levers-s42/resume.sh > /root/eagle3/resume43.log 2>&1 &
-# where /root/eagle3/code-s43 is `git archive` of a commit that has this file (session 43: 4c12708's
-# code; any later commit trains the same unless train.py / ttt.py / optim.py changed).
+# where /root/eagle3/code-s43 is `git archive` of a commit that has this file (session 43: 567930b's
+# code with this file, data.sh and arm.sh copied in; a later commit trains the same unless train.py,
+# ttt.py or optim.py changed).
 set -e
 cd "$(dirname "$0")/../.."
 results/levers-s42/data.sh
